@@ -1,0 +1,31 @@
+# dpfunc: `make install` once (idempotent), then `make test` / `make demo`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint bench demo clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet -e ".[test,bench,examples]"
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest dpfunc tests -q
+
+lint: install
+	$(VENV)/bin/ruff check dpfunc tests examples bench
+	$(VENV)/bin/ruff format --check dpfunc tests examples bench
+
+bench: install
+	$(PY) bench/run.py
+
+demo: install
+	$(PY) examples/digits.py
+
+clean:
+	rm -rf $(VENV) results .pytest_cache .hypothesis

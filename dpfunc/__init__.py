@@ -1,0 +1,37 @@
+"""dpfunc: differentially private training for PyTorch, in a functional style.
+
+The model becomes a pytree of parameters; each example's gradient comes from
+``torch.func.vmap(torch.func.grad(loss))``; small pure functions clip, sum,
+noise and average them; the step compiles with ``torch.compile``.
+"""
+
+from . import optim
+from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
+from .functional import check_per_example, functionalize, replace_batchnorm
+from .noise import add_noise, average, standard_normal_like
+from .per_sample import per_sample_grads, per_sample_grads_and_losses
+from .step import ExampleStats, TrainState, TrainStep, make_train_step, summarize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ExampleStats",
+    "TrainState",
+    "TrainStep",
+    "add_noise",
+    "average",
+    "check_per_example",
+    "clip_factors",
+    "clipped_sum",
+    "functionalize",
+    "groups_by_module",
+    "make_train_step",
+    "optim",
+    "per_sample_grads",
+    "per_sample_grads_and_losses",
+    "per_sample_norms",
+    "replace_batchnorm",
+    "standard_normal_like",
+    "summarize",
+    "total_clip_norm",
+]

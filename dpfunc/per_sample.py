@@ -1,0 +1,122 @@
+"""Per-example gradients: ``vmap`` of ``grad`` over the batch.
+
+The loss function sees ONE example, without a batch dimension, and returns
+that example's scalar loss. ``vmap`` maps it over the leading dimension of the
+batch, so each row of the result is exactly that example's own gradient:
+there is no batch-size rescaling and no ``loss_reduction`` to get wrong.
+Because the loss is any function ``torch.func`` can differentiate, losses
+that contain their own derivatives (a Laplacian, a Hessian trace, a gradient
+penalty) compose.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import Tensor
+from torch.func import grad_and_value, vmap
+
+from .tree import Params, PyTree, tree_leaves
+
+LossFn = Callable[[Params, PyTree], Any]
+
+
+def per_sample_grads(
+    loss_fn: LossFn,
+    params: Params,
+    batch: PyTree,
+    *,
+    chunk_size: int | None = None,
+    has_aux: bool = False,
+):
+    """Each example's gradient of ``loss_fn`` with respect to ``params``.
+
+    Args:
+        loss_fn: ``loss_fn(params, example) -> loss`` (or ``(loss, aux)`` with
+            ``has_aux``) where ``example`` is one row of ``batch`` (every
+            tensor leaf without its leading dimension) and ``loss`` is a
+            0-d tensor.
+        params: the pytree to differentiate (e.g. from ``functionalize``).
+        batch: a pytree whose tensor leaves share a leading dimension ``B``.
+        chunk_size: evaluate at most this many examples at once, bounding
+            memory at the cost of speed; ``None`` does all ``B`` together.
+            The result does not depend on it.
+        has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is batched too.
+
+    Returns:
+        ``grads`` (a tree like ``params`` whose leaves have shape
+        ``[B, *param.shape]``), or ``(grads, aux)`` with ``has_aux``.
+        ``grads[k][i]`` equals the gradient a batch-size-1 backward of
+        ``loss_fn(params, example_i)`` gives, so ``grads[k].mean(0)`` is the
+        gradient of the mean loss:
+
+        >>> import torch
+        >>> w = {"w": torch.tensor([1.0, 2.0])}
+        >>> x = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
+        >>> per_sample_grads(lambda p, xi: (p["w"] * xi).sum() ** 2 / 2, w, x)["w"]
+        tensor([[ 1.,  0.],
+                [ 0., 18.]])
+
+    Random operations in the loss (dropout) draw independently per example.
+
+    Raises:
+        ValueError: leading dimensions of ``batch`` disagree, ``batch`` has no
+            tensor leaf, ``chunk_size`` < 1, or the loss is not a scalar.
+    """
+    grads, _, aux = _grads_and_losses(loss_fn, params, batch, chunk_size, has_aux)
+    return (grads, aux) if has_aux else grads
+
+
+def per_sample_grads_and_losses(
+    loss_fn: LossFn, params: Params, batch: PyTree, *, chunk_size: int | None = None
+) -> tuple[Params, Tensor]:
+    """Like :func:`per_sample_grads`, also returning each example's loss ``[B]``."""
+    grads, losses, _ = _grads_and_losses(loss_fn, params, batch, chunk_size, False)
+    return grads, losses
+
+
+def batch_size(batch: PyTree, name: str = "batch") -> int:
+    """The shared leading dimension of the tensor leaves of ``batch``.
+
+    Raises ``ValueError`` when there is no tensor leaf with a leading
+    dimension or the leading dimensions disagree.
+    """
+    sizes = [x.shape[0] if x.dim() else None for x in tree_leaves(batch) if isinstance(x, Tensor)]
+    if not sizes or None in sizes:
+        raise ValueError(
+            f"every tensor in {name} needs a leading batch dimension; got leaf "
+            f"shapes {[tuple(x.shape) for x in tree_leaves(batch) if isinstance(x, Tensor)]}"
+        )
+    if len(set(sizes)) != 1:
+        raise ValueError(f"{name}'s tensors must share one leading dimension, got sizes {sizes}")
+    return sizes[0]
+
+
+def _grads_and_losses(loss_fn, params, batch, chunk_size, has_aux):
+    batch_size(batch)
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
+
+    def example_loss(p, example):
+        out = loss_fn(p, example)
+        loss, aux = out if has_aux else (out, None)
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                "loss_fn must return one example's loss as a 0-d tensor, got "
+                f"{shape}; loss_fn sees a single example without a batch dimension"
+            )
+        return (loss, aux) if has_aux else loss
+
+    per_example = vmap(
+        grad_and_value(example_loss, has_aux=has_aux),
+        in_dims=(None, 0),
+        chunk_size=chunk_size,
+        randomness="different",
+    )
+    grads, value = per_example(params, batch)
+    losses, aux = value if has_aux else (value, None)
+    return grads, losses, aux
+
+
+__all__ = ["per_sample_grads", "per_sample_grads_and_losses", "batch_size"]

@@ -1,0 +1,255 @@
+"""One DP-SGD step, composed from the pure pieces.
+
+::
+
+    per_sample_grads -> per_sample_norms -> clip_factors -> clipped_sum
+        -> add_noise -> average -> optimizer.update
+
+A logical (Poisson) batch may arrive as several fixed-shape micro-batches:
+``accumulate`` adds each micro-batch's clipped sum, and ``apply`` adds the
+noise exactly once and updates the parameters. ``step(state, batch, mask,
+noise)`` does both for a logical batch that fits one micro-batch. All three
+are pure and compile with ``torch.compile(fullgraph=True)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from . import optim
+from .clipping import (
+    clip_factors,
+    clipped_sum,
+    groups_by_module,
+    per_sample_norms,
+)
+from .noise import _check_expected_batch_size, add_noise, average
+from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
+from .tree import Params, PyTree, check_same_structure, tree_add, tree_zeros_like
+
+CLIPPING_MODES = ("flat", "per_layer", "normalized")
+
+
+class TrainState(NamedTuple):
+    params: Params  # the model's trainable parameters
+    opt_state: Any  # the optimizer's state
+    step: Tensor  # shape (), int64: private steps taken so far
+
+
+class ExampleStats(NamedTuple):
+    """What the step saw of each example; for monitoring, NOT private."""
+
+    loss: Tensor  # [B], each example's loss
+    norm: Tensor  # [B] float64, gradient norm before clipping
+    scaled: Tensor  # [B] bool, the gradient was scaled down (or dropped)
+    mask: Tensor  # [B] bool, a real example (not padding)
+
+    @staticmethod
+    def cat(stats: list[ExampleStats]) -> ExampleStats:
+        """Joins the stats of a logical batch's micro-batches."""
+        return ExampleStats(*(torch.cat(parts) for parts in zip(*stats)))
+
+
+def summarize(stats: ExampleStats) -> dict[str, Tensor]:
+    """Batch metrics from per-example stats (all 0-d tensors).
+
+    ``loss``: mean loss over real examples; ``batch_size``: the number of real
+    examples; ``clipped_fraction``: the fraction whose gradient was scaled
+    down; ``nonfinite``: examples dropped for a NaN/inf gradient;
+    ``norm_p10``, ``norm_p50``, ``norm_p90``, ``norm_max``: quantiles of the
+    finite pre-clipping norms (NaN when there are none).
+
+    These read the data without noise: they are NOT differentially private.
+    Log them for debugging; do not publish them as part of a private result.
+    """
+    real = stats.mask
+    count = real.sum()
+    denominator = count.clamp(min=1)
+    finite = torch.isfinite(stats.norm)
+    norms = torch.where(real & finite, stats.norm, torch.full_like(stats.norm, math.nan))
+    quantiles = torch.nanquantile(norms, norms.new_tensor([0.1, 0.5, 0.9, 1.0]))
+    return {
+        "loss": torch.where(real, stats.loss, torch.zeros_like(stats.loss)).sum() / denominator,
+        "batch_size": count,
+        "clipped_fraction": (stats.scaled & real).sum() / denominator,
+        "nonfinite": (~finite & real).sum(),
+        "norm_p10": quantiles[0],
+        "norm_p50": quantiles[1],
+        "norm_p90": quantiles[2],
+        "norm_max": quantiles[3],
+    }
+
+
+class TrainStep:
+    """A DP-SGD step; build it with :func:`make_train_step`."""
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        optimizer: optim.GradientTransformation,
+        *,
+        clip_norm: float,
+        noise_multiplier: float,
+        expected_batch_size: float,
+        clipping: str = "flat",
+        chunk_size: int | None = None,
+    ):
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+            raise TypeError(
+                "optimizer must be an (init, update) pair such as dpfunc.optim.sgd(lr=0.1), "
+                f"got {type(optimizer).__name__}"
+            )
+        if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not clip_norm > 0:
+            raise ValueError(f"clip_norm must be > 0 (inf disables clipping), got clip_norm={clip_norm!r}")
+        if (
+            isinstance(noise_multiplier, bool)
+            or not isinstance(noise_multiplier, (int, float))
+            or not 0 <= noise_multiplier < math.inf
+        ):
+            raise ValueError(
+                f"noise_multiplier must be finite and >= 0, got noise_multiplier={noise_multiplier!r}"
+            )
+        if math.isinf(clip_norm) and noise_multiplier > 0:
+            raise ValueError(
+                "clip_norm=inf leaves the sensitivity unbounded, so noise cannot make the "
+                f"step private; use a finite clip_norm or noise_multiplier=0, got "
+                f"noise_multiplier={noise_multiplier!r}"
+            )
+        _check_expected_batch_size(expected_batch_size)
+        if clipping not in CLIPPING_MODES:
+            raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got clipping={clipping!r}")
+        if clipping == "normalized" and math.isinf(clip_norm):
+            raise ValueError("clipping='normalized' needs a finite clip_norm, got clip_norm=inf")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.clip_norm = float(clip_norm)
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = expected_batch_size
+        self.clipping = clipping
+        self.chunk_size = chunk_size
+        # sensitivity of the clipped sum is clip_norm in every mode
+        self.noise_std = 0.0 if noise_multiplier == 0 else self.noise_multiplier * self.clip_norm
+
+    def init(self, params: Params) -> TrainState:
+        """The state before the first step; ``params`` are not copied or changed."""
+        return TrainState(params, self.optimizer.init(params), torch.zeros((), dtype=torch.int64))
+
+    def zeros(self, params: Params) -> Params:
+        """An empty clipped sum, to start accumulating a logical batch."""
+        return tree_zeros_like(params)
+
+    def clip(self, params: Params, batch: PyTree, mask: Tensor | None) -> tuple[Params, ExampleStats]:
+        """The clipped sum of one micro-batch and its per-example stats."""
+        size = batch_size(batch)
+        if mask is None:
+            mask = torch.ones(size, dtype=torch.bool)
+        if tuple(mask.shape) != (size,):
+            raise ValueError(
+                f"mask must have shape ({size},) to match the batch, got {tuple(mask.shape)}"
+            )
+        grads, losses = per_sample_grads_and_losses(
+            self.loss_fn, params, batch, chunk_size=self.chunk_size
+        )
+        mask = mask.to(torch.bool)
+        if self.clipping == "per_layer":
+            groups = groups_by_module(grads)
+            group_norms = per_sample_norms(grads, groups)
+            factors = clip_factors(group_norms, self.clip_norm)
+            total = sum(n.square() for n in group_norms.values()).sqrt()
+            scaled = torch.stack([f < 1 for f in factors.values()]).any(0)
+            summed = clipped_sum(grads, factors, mask, groups)
+        else:
+            total = per_sample_norms(grads)
+            factors = clip_factors(total, self.clip_norm, normalize=self.clipping == "normalized")
+            scaled = factors < 1
+            summed = clipped_sum(grads, factors, mask)
+        return summed, ExampleStats(losses.detach(), total, scaled, mask)
+
+    def accumulate(
+        self, summed: Params, params: Params, batch: PyTree, mask: Tensor | None
+    ) -> tuple[Params, ExampleStats]:
+        """Adds one micro-batch's clipped sum to ``summed``."""
+        check_same_structure(summed, params, "summed", "params")
+        micro, stats = self.clip(params, batch, mask)
+        return tree_add(summed, micro), stats
+
+    def apply(self, state: TrainState, summed: Params, noise: Params) -> TrainState:
+        """Noises the logical batch's clipped sum once, averages, and updates."""
+        check_same_structure(noise, state.params, "noise", "params")
+        check_same_structure(summed, state.params, "summed", "params")
+        private = average(add_noise(summed, noise, self.noise_std), self.expected_batch_size)
+        updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
+        return TrainState(optim.apply_updates(state.params, updates), opt_state, state.step + 1)
+
+    def __call__(
+        self, state: TrainState, batch: PyTree, mask: Tensor | None, noise: Params
+    ) -> tuple[TrainState, dict[str, Tensor]]:
+        """One private step on a logical batch held in one micro-batch."""
+        check_same_structure(noise, state.params, "noise", "params")
+        summed, stats = self.clip(state.params, batch, mask)
+        return self.apply(state, summed, noise), summarize(stats)
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optim.GradientTransformation,
+    *,
+    clip_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    clipping: str = "flat",
+    chunk_size: int | None = None,
+) -> TrainStep:
+    """Builds the DP-SGD step (Abadi et al. 2016).
+
+    Args:
+        loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
+        optimizer: a :mod:`dpfunc.optim` transformation, e.g. ``optim.adam(1e-3)``.
+        clip_norm: ``C``, the bound on each example's contribution (flat L2
+            norm of its gradient); ``inf`` disables clipping (only with
+            ``noise_multiplier=0``: no privacy).
+        noise_multiplier: ``sigma``; the noise std is ``sigma * C``. ``0``
+            adds no noise (no privacy).
+        expected_batch_size: ``sample_rate * num_examples``, the denominator
+            of the average. Never the realised batch size.
+        clipping: ``"flat"`` (all parameters together), ``"per_layer"``
+            (each module's parameters bounded by ``C / sqrt(num_modules)``,
+            McMahan et al. 2018) or ``"normalized"`` (automatic clipping,
+            Bu et al. 2022, factor ``C / (norm + 0.01)``). Each bounds an
+            example's whole contribution by ``C``.
+        chunk_size: passed to :func:`per_sample_grads` to bound memory.
+
+    Returns:
+        A :class:`TrainStep` ``step`` with ``step.init(params) -> state`` and
+        ``step(state, batch, mask, noise) -> (state, metrics)``, where
+        ``mask[B]`` marks real rows (0 for padding), ``noise`` is
+        ``dpfunc.standard_normal_like(params, seed, step)``, and
+        ``metrics`` is :func:`summarize` (not private). For a logical batch
+        split into micro-batches use ``step.zeros``, ``step.accumulate`` and
+        ``step.apply``. ``torch.compile(step, fullgraph=True)`` compiles one
+        graph that serves every step of a fixed batch shape.
+
+    Raises:
+        ValueError: ``clip_norm <= 0``, ``noise_multiplier < 0``,
+            ``expected_batch_size <= 0``, an unknown ``clipping``, or
+            ``clip_norm=inf`` with noise; at call time, a batch, mask or
+            noise tree that does not match, or a non-scalar loss.
+        TypeError: ``optimizer`` is not an (init, update) pair.
+    """
+    return TrainStep(
+        loss_fn,
+        optimizer,
+        clip_norm=clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        clipping=clipping,
+        chunk_size=chunk_size,
+    )

@@ -1,0 +1,90 @@
+"""Pytree helpers over optree.
+
+Parameters, gradients, noise and optimizer state are pytrees: nested dicts,
+tuples, lists and NamedTuples whose leaves are tensors. A model's parameters
+are a flat ``dict[str, Tensor]`` keyed by ``named_parameters()`` names.
+
+Leaf order is optree's: dict keys sorted, sequences in order. Every function
+that walks leaves (noise draws, flattening) uses this one order, so results
+do not depend on dict insertion order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optree
+import torch
+from torch import Tensor
+
+PyTree = Any
+Params = dict[str, Tensor]
+
+
+def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
+    """Applies ``fn`` leaf by leaf over ``tree`` and trees of the same structure."""
+    return optree.tree_map(fn, tree, *rest)
+
+
+def tree_leaves(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` in optree's order (dict keys sorted)."""
+    return optree.tree_leaves(tree)
+
+
+def tree_structure(tree: PyTree) -> optree.PyTreeSpec:
+    return optree.tree_structure(tree)
+
+
+def check_same_structure(tree: PyTree, reference: PyTree, name: str, reference_name: str) -> None:
+    """Raises ``ValueError`` unless ``tree`` has the structure and leaf shapes of ``reference``.
+
+    Shapes are static, so this check is free inside a compiled function.
+    """
+    spec, ref_spec = optree.tree_structure(tree), optree.tree_structure(reference)
+    if spec != ref_spec:
+        raise ValueError(
+            f"{name} must have the same tree structure as {reference_name}; "
+            f"got {name} structure {spec} and {reference_name} structure {ref_spec}"
+        )
+    for path, leaf, ref in zip(
+        optree.tree_paths(tree), optree.tree_leaves(tree), optree.tree_leaves(reference)
+    ):
+        if leaf.shape != ref.shape:
+            raise ValueError(
+                f"{name} leaf {_path_str(path)} has shape {tuple(leaf.shape)}, but the "
+                f"matching {reference_name} leaf has shape {tuple(ref.shape)}"
+            )
+
+
+def _path_str(path: tuple) -> str:
+    return "".join(f"[{p!r}]" for p in path) or "<root>"
+
+
+def tree_zeros_like(tree: PyTree) -> PyTree:
+    return tree_map(torch.zeros_like, tree)
+
+
+def tree_add(a: PyTree, b: PyTree) -> PyTree:
+    return tree_map(torch.add, a, b)
+
+
+def tree_scale(tree: PyTree, factor: float | Tensor) -> PyTree:
+    return tree_map(lambda x: x * factor, tree)
+
+
+def tree_normal_like(tree: PyTree, generator: torch.Generator) -> PyTree:
+    """Independent standard-normal draws shaped like each leaf, in leaf order.
+
+    Each draw has its leaf's dtype and device; ``generator`` must live on that
+    device.
+    """
+    return tree_map(
+        lambda x: torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device),
+        tree,
+    )
+
+
+def global_norm(tree: PyTree) -> Tensor:
+    """The L2 norm of all leaves stacked into one vector."""
+    leaves = tree_leaves(tree)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in leaves]))
