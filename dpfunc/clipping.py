@@ -52,7 +52,8 @@ def per_sample_norms(grads: PyTree, groups: Groups | None = None) -> Tensor | di
 
 
 def _squared_norms(g: Tensor) -> Tensor:
-    return torch.linalg.vector_norm(g.flatten(1), dim=1, dtype=torch.float64).square()
+    per_example = g.reshape(g.shape[0], math.prod(g.shape[1:]))
+    return torch.linalg.vector_norm(per_example, dim=1, dtype=torch.float64).square()
 
 
 def groups_by_module(params: Params) -> dict[str, list[str]]:

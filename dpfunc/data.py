@@ -1,0 +1,496 @@
+"""Poisson sampling into fixed-shape padded micro-batches.
+
+DP-SGD's privacy guarantee is computed by an accountant that assumes Poisson
+subsampling: at every step each of the ``num_examples`` examples joins the
+logical batch independently with probability ``sample_rate`` (Abadi et al.
+2016, "Deep Learning with Differential Privacy"; Mironov, Talwar and Zhang
+2019, "Rényi Differential Privacy of the Sampled Gaussian Mechanism"). The
+amplification-by-sampling bound holds for this sampler, not for shuffling
+into fixed-size batches, so ``poisson_sample`` is the sampler to use with the
+epsilon that ``dpfunc.accounting`` reports.
+
+Under Poisson sampling the batch size is random: ``Binomial(num_examples,
+sample_rate)``, with mean ``expected_batch_size = sample_rate *
+num_examples``. It can be 0, and it can exceed any fixed memory budget. A
+compiled (``torch.compile``) vmap step recompiles for every new batch shape,
+so this module never hands the step a variable shape. ``micro_batches``
+gathers a logical batch into micro-batches of exactly
+``physical_batch_size`` rows each, plus a float mask (1 for real rows, 0 for
+padding). Padding rows are copies of dataset row 0, real data on which the
+loss is finite; the step multiplies their clip factors by the mask, so they
+contribute exactly 0. No example is ever dropped: a logical batch larger
+than ``physical_batch_size`` becomes several micro-batches, whose clipped
+sums the step accumulates before adding noise once. An empty logical batch
+is still one (all-padding) micro-batch: the step must still happen (it
+releases noise only) and the accountant counts it.
+
+The sample of step ``t`` depends only on ``(seed, t)``: resuming a run needs
+only its step count, and every rank of a distributed job draws the same
+logical batch without communicating. ``split_for_rank`` then gives each rank
+a disjoint share.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import Tensor
+from torch.utils.data import TensorDataset, default_collate
+
+PyTree = Any
+MicroBatch = tuple[PyTree, Tensor]  # (batch with leading dim physical_batch_size, mask)
+
+__all__ = [
+    "PoissonBatches",
+    "dataset_size",
+    "micro_batches",
+    "num_micro_batches",
+    "poisson_sample",
+    "split_for_rank",
+]
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def poisson_sample(num_examples: int, sample_rate: float, *, seed: int, step: int) -> Tensor:
+    """The logical batch of step ``step``: each example kept independently w.p. ``sample_rate``.
+
+    The draw comes from a CPU ``torch.Generator`` whose seed is a 64-bit
+    SHA-256 hash of ``(seed, step)``, so the result depends only on that
+    pair: not on the global RNG (which it neither reads nor advances), on
+    the order of calls, or on the rank. Distinct pairs give independent
+    samples.
+
+    Args:
+        num_examples: the dataset size ``N``, an int >= 1.
+        sample_rate: the inclusion probability ``q``, in ``(0, 1]``. The
+            expected batch size is ``q * N``; the realised size is
+            ``Binomial(N, q)`` and may be 0.
+        seed: a non-negative int naming the run.
+        step: the non-negative step count.
+
+    Returns:
+        The sorted int64 indices (CPU, 1-D, no repeats) of the sampled
+        examples; ``sample_rate = 1`` gives ``arange(num_examples)``.
+
+    Raises:
+        ValueError: an argument is out of range or of the wrong type.
+
+    >>> a = poisson_sample(10, 0.5, seed=0, step=3)
+    >>> torch.equal(a, poisson_sample(10, 0.5, seed=0, step=3))
+    True
+    >>> poisson_sample(4, 1.0, seed=0, step=0)
+    tensor([0, 1, 2, 3])
+    """
+    _check_int("num_examples", num_examples, minimum=1)
+    _check_sample_rate(sample_rate)
+    _check_int("seed", seed, minimum=0)
+    _check_int("step", step, minimum=0)
+    digest = hashlib.sha256(f"dpfunc.poisson:{seed}:{step}".encode()).digest()
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(int.from_bytes(digest[:8], "little"))
+    keep = torch.rand(num_examples, generator=generator, dtype=torch.float64) < sample_rate
+    return torch.nonzero(keep).flatten().to(torch.int64)
+
+
+def split_for_rank(indices: Tensor, rank: int, world_size: int) -> Tensor:
+    """Rank ``rank``'s share of a logical batch: ``indices[rank::world_size]``.
+
+    Every index goes to exactly one rank, and share sizes differ by at most
+    one (lower ranks get the extra ones). Every rank can compute every other
+    rank's share from the same logical batch, with no communication.
+
+    Args:
+        indices: a 1-D tensor of example indices (the logical batch).
+        rank: this process's rank, in ``[0, world_size)``.
+        world_size: the number of ranks, an int >= 1.
+
+    Raises:
+        ValueError: ``indices`` is not 1-D, or ``rank`` / ``world_size`` is
+            out of range.
+
+    >>> split_for_rank(torch.arange(5), rank=1, world_size=2)
+    tensor([1, 3])
+    """
+    _check_int("world_size", world_size, minimum=1)
+    _check_rank(rank, world_size)
+    if not isinstance(indices, Tensor) or indices.dim() != 1:
+        raise ValueError(f"indices must be a 1-D tensor, got indices={indices!r}")
+    return indices[rank::world_size]
+
+
+def num_micro_batches(batch_size: int, physical_batch_size: int) -> int:
+    """``max(1, ceil(batch_size / physical_batch_size))``.
+
+    An empty logical batch still takes one (all-padding) micro-batch: the
+    step must still run, adding noise only, and the accountant counts it.
+
+    Raises:
+        ValueError: ``batch_size < 0`` or ``physical_batch_size < 1``.
+
+    >>> num_micro_batches(0, 8), num_micro_batches(8, 8), num_micro_batches(17, 8)
+    (1, 1, 3)
+    """
+    _check_int("batch_size", batch_size, minimum=0)
+    _check_int("physical_batch_size", physical_batch_size, minimum=1)
+    return max(1, math.ceil(batch_size / physical_batch_size))
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def dataset_size(dataset: Any) -> int:
+    """The number of examples (rows) in ``dataset``.
+
+    Supported datasets, checked in this order:
+
+    (a) a ``Tensor`` of rows along dim 0;
+    (b) a tuple or list whose elements are ALL tensors, read as columns with
+        a common leading size (e.g. ``(x, y)``). A list of per-example
+        tensors is read this way too; wrap it in a ``TensorDataset`` of a
+        stacked tensor instead;
+    (c) a ``torch.utils.data.TensorDataset``;
+    (d) any object with ``__len__`` and ``__getitem__(int)`` returning a
+        tensor, a number, or a (nested) tuple / dict of them.
+
+    Raises:
+        TypeError: ``dataset`` is none of these.
+        ValueError: a 0-d tensor, or columns of (b) with different leading sizes.
+    """
+    if isinstance(dataset, Tensor):
+        if dataset.dim() == 0:
+            raise ValueError("dataset must have rows along dim 0, got a 0-d tensor")
+        return dataset.shape[0]
+    if _is_columns(dataset):
+        return _columns_size(dataset)
+    if isinstance(dataset, TensorDataset):
+        return len(dataset)
+    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
+        return len(dataset)
+    raise TypeError(
+        "dataset must be a Tensor, a tuple/list of tensors, a TensorDataset, or an "
+        f"object with __len__ and __getitem__; got dataset of type {type(dataset).__name__}"
+    )
+
+
+def micro_batches(
+    dataset: Any,
+    indices: Tensor | Sequence[int],
+    physical_batch_size: int,
+    *,
+    num: int | None = None,
+    mask_dtype: torch.dtype = torch.float32,
+) -> list[MicroBatch]:
+    """Gathers ``dataset[indices]`` into fixed-shape padded micro-batches.
+
+    The real rows, in the order of ``indices``, fill the micro-batches one
+    after another; the rest of the last one (and any extra ones asked for
+    with ``num``) is padding: copies of dataset row 0, real data so that the
+    loss stays finite, marked 0 in the mask so that they contribute exactly
+    0 once the step multiplies the clip factors by the mask. Nothing is ever
+    dropped or truncated.
+
+    Args:
+        dataset: any kind that ``dataset_size`` accepts; it must hold at
+            least one row (the padding row).
+        indices: a 1-D integer tensor or sequence of indices in
+            ``[0, dataset_size(dataset))``, e.g. ``poisson_sample(...)`` or a
+            rank's share of it. May be empty. Repeats are allowed.
+        physical_batch_size: the rows per micro-batch, an int >= 1.
+        num: the number of micro-batches to return. ``None`` means
+            ``num_micro_batches(len(indices), physical_batch_size)``; a larger
+            value appends all-padding micro-batches (used so that all ranks
+            of a distributed job run the same count).
+        mask_dtype: the floating dtype of the mask.
+
+    Returns:
+        A list of ``(batch, mask)`` pairs. ``batch`` has the structure of one
+        example (a Tensor for (a), a tuple for (b) tuples and (c), a list
+        for (b) lists, the collated item structure for (d), with numbers
+        turned into tensors by ``default_collate``); every leaf has leading
+        dimension ``physical_batch_size``. ``mask`` has shape
+        ``[physical_batch_size]``, 1 for real rows and 0 for padding, on the
+        device of the batch's first leaf. The masks sum to ``len(indices)``.
+
+    Raises:
+        ValueError: ``indices`` is not 1-D integer, an index is out of
+            range, the dataset is empty, ``physical_batch_size < 1``, ``num``
+            is smaller than needed (that would drop examples), or
+            ``mask_dtype`` is not a floating dtype.
+        TypeError: the dataset kind is unsupported (see ``dataset_size``).
+
+    >>> x = torch.arange(5.0)
+    >>> [(b.tolist(), m.tolist()) for b, m in micro_batches(x, [4, 2, 3], 2)]
+    [([4.0, 2.0], [1.0, 1.0]), ([3.0, 0.0], [1.0, 0.0])]
+    """
+    _check_int("physical_batch_size", physical_batch_size, minimum=1)
+    if not isinstance(mask_dtype, torch.dtype) or not mask_dtype.is_floating_point:
+        raise ValueError(
+            f"mask_dtype must be a floating torch.dtype, got mask_dtype={mask_dtype!r}"
+        )
+    size = dataset_size(dataset)
+    if size < 1:
+        raise ValueError("dataset must hold at least one example (row 0 pads), got 0 examples")
+    indices = _as_indices(indices, size)
+    count = indices.numel()
+    needed = num_micro_batches(count, physical_batch_size)
+    if num is None:
+        num = needed
+    else:
+        _check_int("num", num, minimum=1)
+        if num < needed:
+            raise ValueError(
+                f"num must be >= {needed} to hold {count} examples in micro-batches of "
+                f"{physical_batch_size} (no example is ever dropped), got num={num!r}"
+            )
+    total = num * physical_batch_size
+    padded = torch.cat([indices, torch.zeros(total - count, dtype=torch.int64)])
+    batch = _gather(dataset, padded, count)
+    leaves = optree.tree_leaves(batch)
+    device = leaves[0].device if leaves else torch.device("cpu")
+    mask = (torch.arange(total, device=device) < count).to(mask_dtype)
+    out = []
+    for j in range(num):
+        rows = slice(j * physical_batch_size, (j + 1) * physical_batch_size)
+        out.append((optree.tree_map(lambda leaf, rows=rows: leaf[rows], batch), mask[rows]))
+    return out
+
+
+# --------------------------------------------------------------------------- iterator
+
+
+class PoissonBatches:
+    """Poisson-sampled logical batches as fixed-shape micro-batches, step by step.
+
+    A thin layer over ``poisson_sample``, ``split_for_rank`` and
+    ``micro_batches``. Step ``t``'s logical batch depends only on
+    ``(seed, t)``, so a resumed run calls ``logical_batch(t)`` with its step
+    count and gets the batch it would have had.
+
+    Distributed use: every rank builds this with the same dataset (same
+    order), ``sample_rate``, ``physical_batch_size`` and ``seed``, and its own
+    ``rank``. All ranks draw the same logical batch; each takes its share
+    (``split_for_rank``). Shares differ in size, so they can need different
+    numbers of micro-batches, while a collective (all-reduce) step needs
+    every rank to run the same count. Every rank can compute every rank's
+    share from the logical batch, so ``logical_batch`` pads each rank to the
+    maximum over ranks (``micro_batch_count``) with no communication; the
+    extra micro-batches are all padding.
+
+    Args:
+        dataset: any kind that ``dataset_size`` accepts, with >= 1 example.
+        sample_rate: the Poisson inclusion probability, in ``(0, 1]``.
+        physical_batch_size: rows per micro-batch, an int >= 1.
+        seed: a non-negative int naming the run's sampling stream.
+        rank: this process's rank, in ``[0, world_size)``.
+        world_size: the number of ranks, an int >= 1.
+
+    Raises:
+        ValueError: an argument is out of range, or the dataset is empty.
+        TypeError: the dataset kind is unsupported.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sample_rate: float,
+        physical_batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        num_examples = dataset_size(dataset)
+        if num_examples < 1:
+            raise ValueError("dataset must hold at least one example, got 0 examples")
+        _check_sample_rate(sample_rate)
+        _check_int("physical_batch_size", physical_batch_size, minimum=1)
+        _check_int("seed", seed, minimum=0)
+        _check_int("world_size", world_size, minimum=1)
+        _check_rank(rank, world_size)
+        self.dataset = dataset
+        self.num_examples = num_examples
+        self.sample_rate = sample_rate
+        self.physical_batch_size = physical_batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``sample_rate * num_examples``: the denominator of the private average."""
+        return self.sample_rate * self.num_examples
+
+    def indices(self, step: int) -> Tensor:
+        """Step ``step``'s whole logical batch (the same on every rank)."""
+        return poisson_sample(self.num_examples, self.sample_rate, seed=self.seed, step=step)
+
+    def counts_per_rank(self, step: int) -> list[int]:
+        """The number of real examples in each rank's share of step ``step``."""
+        count = self.indices(step).numel()
+        return [_share_size(count, r, self.world_size) for r in range(self.world_size)]
+
+    def micro_batch_count(self, step: int) -> int:
+        """The micro-batch count all ranks run at step ``step``: the max over ranks."""
+        return self._agreed_count(self.indices(step).numel())
+
+    def _agreed_count(self, logical_size: int) -> int:
+        """The max over ranks of the micro-batches each rank's share needs."""
+        return max(
+            num_micro_batches(
+                _share_size(logical_size, r, self.world_size), self.physical_batch_size
+            )
+            for r in range(self.world_size)
+        )
+
+    def logical_batch(self, step: int) -> tuple[list[MicroBatch], int]:
+        """This rank's micro-batches for step ``step`` and its number of real examples.
+
+        Returns ``(micro_batches, count)``: ``micro_batch_count(step)``
+        ``(batch, mask)`` pairs whose masks sum to ``count``. With
+        ``world_size = 1``, ``count`` is the logical batch size.
+        """
+        logical = self.indices(step)
+        share = split_for_rank(logical, self.rank, self.world_size)
+        num = self._agreed_count(logical.numel())
+        return micro_batches(self.dataset, share, self.physical_batch_size, num=num), share.numel()
+
+    def steps(
+        self, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[int, list[MicroBatch], int]]:
+        """Yields ``(step, micro_batches, count)`` for ``start <= step < stop``.
+
+        ``stop = None`` never ends; resume a run with ``steps(start=its_step)``.
+        """
+        _check_int("start", start, minimum=0)
+        if stop is not None:
+            _check_int("stop", stop, minimum=0)
+        step = start
+        while stop is None or step < stop:
+            batches, count = self.logical_batch(step)
+            yield step, batches, count
+            step += 1
+
+    def __iter__(self) -> Iterator[tuple[int, list[MicroBatch], int]]:
+        """``steps()`` from step 0, without end."""
+        return self.steps()
+
+    def __repr__(self) -> str:
+        return (
+            f"PoissonBatches(num_examples={self.num_examples}, sample_rate={self.sample_rate}, "
+            f"physical_batch_size={self.physical_batch_size}, seed={self.seed}, "
+            f"rank={self.rank}, world_size={self.world_size})"
+        )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
+
+
+def _check_sample_rate(sample_rate: Any) -> None:
+    if (
+        isinstance(sample_rate, bool)
+        or not isinstance(sample_rate, (int, float))
+        or not 0 < sample_rate <= 1
+    ):
+        raise ValueError(f"sample_rate must be a number in (0, 1], got sample_rate={sample_rate!r}")
+
+
+def _check_rank(rank: Any, world_size: int) -> None:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an int in [0, world_size={world_size}), got rank={rank!r}")
+
+
+def _share_size(count: int, rank: int, world_size: int) -> int:
+    """``len(range(count)[rank::world_size])``."""
+    return max(0, (count - rank + world_size - 1) // world_size)
+
+
+def _is_columns(dataset: Any) -> bool:
+    return (
+        isinstance(dataset, (tuple, list))
+        and len(dataset) > 0
+        and all(isinstance(t, Tensor) for t in dataset)
+    )
+
+
+def _columns_size(columns: Sequence[Tensor]) -> int:
+    if any(t.dim() == 0 for t in columns):
+        raise ValueError("every tensor of a tuple/list dataset must have rows along dim 0")
+    sizes = [t.shape[0] for t in columns]
+    if len(set(sizes)) != 1:
+        raise ValueError(
+            f"the tensors of a tuple/list dataset must share their leading size, got sizes {sizes}"
+        )
+    return sizes[0]
+
+
+def _as_indices(indices: Any, size: int) -> Tensor:
+    if isinstance(indices, Tensor):
+        tensor = indices.detach()
+    else:
+        try:
+            values = list(indices)
+            tensor = torch.as_tensor(values) if values else torch.empty(0, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(
+                f"indices must be a 1-D sequence of ints, got indices={indices!r}"
+            ) from err
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise ValueError(f"indices must be integers, got indices of dtype {tensor.dtype}")
+    tensor = tensor.to(device="cpu", dtype=torch.int64)
+    if tensor.dim() != 1:
+        raise ValueError(f"indices must be 1-D, got shape {tuple(tensor.shape)}")
+    if tensor.numel() and (int(tensor.min()) < 0 or int(tensor.max()) >= size):
+        raise ValueError(
+            f"indices must lie in [0, {size}) for a dataset of {size} examples, got "
+            f"min {int(tensor.min())} and max {int(tensor.max())}"
+        )
+    return tensor
+
+
+def _gather(dataset: Any, indices: Tensor, count: int) -> PyTree:
+    """``dataset`` rows at ``indices`` as one pytree of leading dim ``len(indices)``."""
+    if isinstance(dataset, Tensor):
+        return dataset.index_select(0, indices.to(dataset.device))
+    if _is_columns(dataset):
+        gathered = [t.index_select(0, indices.to(t.device)) for t in dataset]
+        return tuple(gathered) if isinstance(dataset, tuple) else gathered
+    if isinstance(dataset, TensorDataset):
+        return tuple(t.index_select(0, indices.to(t.device)) for t in dataset.tensors)
+    return _gather_items(dataset, indices, count)
+
+
+def _gather_items(dataset: Any, indices: Tensor, count: int) -> PyTree:
+    positions = indices.tolist()
+    items = [dataset[i] for i in positions[:count]]
+    if len(positions) > count:
+        items += [dataset[0]] * (len(positions) - count)
+    flat = [optree.tree_flatten(item) for item in items]
+    spec = flat[0][1]
+    for position, (_, other) in zip(positions, flat):
+        if other != spec:
+            raise ValueError(
+                f"every dataset item must have the same structure; dataset[{position}] has "
+                f"{other}, dataset[{positions[0]}] has {spec}"
+            )
+    columns = []
+    for k in range(spec.num_leaves):
+        collated = default_collate([leaves[k] for leaves, _ in flat])
+        if not isinstance(collated, Tensor):
+            raise TypeError(
+                "dataset items must hold tensors or numbers; leaf "
+                f"{k} collates to {type(collated).__name__}"
+            )
+        columns.append(collated)
+    return optree.tree_unflatten(spec, columns)

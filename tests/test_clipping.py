@@ -1,0 +1,186 @@
+"""Clipping bounds every example's contribution; masking equals removal."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call
+
+import dpfunc
+from dpfunc.tree import global_norm, tree_map
+
+CLIP_NORMS = [1e-6, 1.0, 1e6, math.inf]
+SCALES = [0.0, 1e-30, 1.0, 1e30]
+
+
+def one_hot(i, size):
+    mask = torch.zeros(size)
+    mask[i] = 1
+    return mask
+
+
+def random_grads(batch, shapes, scale, dtype):
+    return {f"p{k}": torch.randn(batch, *s, dtype=dtype) * scale for k, s in enumerate(shapes)}
+
+
+shapes_strategy = st.lists(
+    st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple), min_size=1, max_size=4
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=shapes_strategy,
+    batch=st.integers(1, 5),
+    clip_norm=st.sampled_from(CLIP_NORMS),
+    scale=st.sampled_from(SCALES),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    mode=st.sampled_from(["flat", "per_layer", "normalized"]),
+)
+def test_every_contribution_is_bounded(shapes, batch, clip_norm, scale, dtype, mode):
+    if mode == "normalized" and math.isinf(clip_norm):
+        clip_norm = 1.0
+    grads = random_grads(batch, shapes, scale, dtype)
+    if mode == "per_layer":
+        groups = {f"g{k}": [name] for k, name in enumerate(grads)}
+        factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads, groups), clip_norm)
+    else:
+        groups = None
+        norms = dpfunc.per_sample_norms(grads)
+        assert torch.isfinite(norms).all()  # float64 accumulation: no overflow at 1e30
+        factors = dpfunc.clip_factors(norms, clip_norm, normalize=mode == "normalized")
+    slack = 1 + 16 * torch.finfo(dtype).eps
+    for i in range(batch):
+        contribution = dpfunc.clipped_sum(grads, factors, one_hot(i, batch), groups)
+        norm = global_norm(tree_map(lambda t: t.double(), contribution))
+        raw = global_norm({k: g[i].double() for k, g in grads.items()})
+        assert norm <= clip_norm * slack
+        if not math.isinf(clip_norm) and mode != "normalized":
+            # clipping only shrinks, and leaves small gradients alone
+            assert norm <= raw * slack
+            if mode == "flat" and raw <= clip_norm:
+                torch.testing.assert_close(norm, raw, rtol=1e-5, atol=0)
+
+
+def test_per_group_thresholds_bound_each_group_and_the_total():
+    grads = {"a.w": torch.randn(3, 5) * 10, "a.b": torch.randn(3) * 10, "b.w": torch.randn(3, 4)}
+    groups = dpfunc.groups_by_module(grads)
+    assert groups == {"a": ["a.w", "a.b"], "b": ["b.w"]}
+    thresholds = {"a": 0.3, "b": 0.4}
+    factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads, groups), thresholds)
+    assert dpfunc.total_clip_norm(thresholds) == pytest.approx(0.5)
+    for i in range(3):
+        part = dpfunc.clipped_sum(grads, factors, one_hot(i, 3), groups)
+        assert global_norm({k: part[k] for k in groups["a"]}) <= 0.3 * (1 + 1e-6)
+        assert global_norm({k: part[k] for k in groups["b"]}) <= 0.4 * (1 + 1e-6)
+    equal = dpfunc.clip_factors(dpfunc.per_sample_norms(grads, groups), 1.0)
+    assert set(equal) == {"a", "b"}
+    big = torch.full((1,), 1e9, dtype=torch.float64)
+    assert dpfunc.clip_factors({"a": big}, 1.0)["a"] * 1e9 == pytest.approx(1.0)
+
+
+def test_flat_factor_edge_cases():
+    norms = torch.tensor([0.0, 0.5, 2.0, math.inf, math.nan], dtype=torch.float64)
+    torch.testing.assert_close(
+        dpfunc.clip_factors(norms, 1.0), torch.tensor([1, 1, 0.5, 0, 0], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        dpfunc.clip_factors(norms, math.inf), torch.tensor([1, 1, 1, 0, 0], dtype=torch.float64)
+    )
+    auto = dpfunc.clip_factors(norms, 1.0, normalize=True, gamma=0.5)
+    torch.testing.assert_close(auto, torch.tensor([2, 1, 0.4, 0, 0], dtype=torch.float64))
+
+
+def test_nonfinite_gradients_are_dropped_not_spread():
+    grads = {"w": torch.randn(4, 3)}
+    grads["w"][1, 0] = math.nan
+    grads["w"][2, 2] = math.inf
+    factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads), 1.0)
+    assert factors[1] == 0 and factors[2] == 0
+    total = dpfunc.clipped_sum(grads, factors)
+    keep = torch.tensor([1.0, 0, 0, 1.0])
+    expected = dpfunc.clipped_sum({"w": grads["w"][[0, 3]]}, factors[[0, 3]])
+    torch.testing.assert_close(total["w"], expected["w"])
+    torch.testing.assert_close(dpfunc.clipped_sum(grads, factors, keep)["w"], expected["w"])
+
+
+def test_empty_batch_sums_to_zero():
+    grads = {"w": torch.zeros(0, 3)}
+    factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads), 1.0)
+    torch.testing.assert_close(dpfunc.clipped_sum(grads, factors)["w"], torch.zeros(3))
+
+
+def test_inputs_are_not_modified():
+    grads = {"w": torch.randn(4, 3) * 5}
+    before = grads["w"].clone()
+    factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads), 1.0)
+    dpfunc.clipped_sum(grads, factors, torch.ones(4))
+    assert torch.equal(grads["w"], before)
+
+
+def mlp_loss():
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        x, y = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (x.unsqueeze(0),)), y[None])
+
+    return loss_fn, params
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "normalized"])
+@pytest.mark.parametrize("clip_norm", [0.01, 1.0, 100.0])
+def test_add_remove_one_sensitivity_on_neighbouring_batches(clipping, clip_norm):
+    loss_fn, params = mlp_loss()
+    x = torch.randn(9, 6, dtype=torch.float64) * 3
+    y = torch.randint(0, 3, (9,))
+
+    def private_sum(batch, mask=None):
+        grads = dpfunc.per_sample_grads(loss_fn, params, batch)
+        if clipping == "per_layer":
+            groups = dpfunc.groups_by_module(grads)
+            factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads, groups), clip_norm)
+            return dpfunc.clipped_sum(grads, factors, mask, groups)
+        factors = dpfunc.clip_factors(
+            dpfunc.per_sample_norms(grads), clip_norm, normalize=clipping == "normalized"
+        )
+        return dpfunc.clipped_sum(grads, factors, mask)
+
+    full = private_sum((x, y))
+    for removed in range(9):
+        keep = [i for i in range(9) if i != removed]
+        neighbour = private_sum((x[keep], y[keep]))
+        distance = global_norm(tree_map(torch.sub, full, neighbour))
+        assert distance <= clip_norm * (1 + 1e-9)
+        masked = private_sum((x, y), 1.0 - one_hot(removed, 9).double())
+        for k in full:
+            torch.testing.assert_close(masked[k], neighbour[k], rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: dpfunc.clip_factors(torch.ones(2), 0.0), "clip_norm"),
+        (lambda: dpfunc.clip_factors(torch.ones(2), -1.0), "clip_norm"),
+        (lambda: dpfunc.clip_factors(torch.ones(2), math.nan), "clip_norm"),
+        (lambda: dpfunc.clip_factors(torch.ones(2), math.inf, normalize=True), "clip_norm=inf"),
+        (lambda: dpfunc.clip_factors(torch.ones(2), 1.0, normalize=True, gamma=0), "gamma"),
+        (lambda: dpfunc.clip_factors({"a": torch.ones(2)}, {"b": 1.0}), "one threshold per group"),
+        (
+            lambda: dpfunc.per_sample_norms({"a": torch.ones(2, 1)}, {"g": ["a", "b"]}),
+            "unknown=\\['b'\\]",
+        ),
+        (
+            lambda: dpfunc.per_sample_norms({"a": torch.ones(2, 1), "c": torch.ones(2)}, {"g": ["a"]}),
+            "missing=\\['c'\\]",
+        ),
+    ],
+)
+def test_bad_arguments_raise(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,0 +1,271 @@
+"""The composed step against oracles: a per-example loop, torch.optim, compiled vs eager."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+from torch.func import functional_call
+
+import dpfunc
+from dpfunc.tree import tree_map
+
+
+def classifier(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        x, y = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (x.unsqueeze(0),)), y[None])
+
+    return model, params, loss_fn
+
+
+def data(n, dtype=torch.float64, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g, dtype=dtype) * 2, torch.randint(0, 3, (n,), generator=g)
+
+
+def test_no_privacy_limit_is_one_torch_sgd_step_on_the_mean_loss():
+    model, params, loss_fn = classifier()
+    x, y = data(16)
+    step = dpfunc.make_train_step(
+        loss_fn,
+        dpfunc.optim.sgd(lr=0.3, momentum=0.9),
+        clip_norm=math.inf,
+        noise_multiplier=0.0,
+        expected_batch_size=16,
+    )
+    state = step.init(params)
+    zero_noise = tree_map(torch.zeros_like, params)
+    reference = torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9)
+    for _ in range(3):
+        state, metrics = step(state, (x, y), torch.ones(16), zero_noise)
+        reference.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        reference.step()
+        torch.testing.assert_close(metrics["loss"], loss.detach(), rtol=1e-12, atol=0)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(state.params[name], p.detach(), rtol=1e-10, atol=1e-12)
+    assert int(state.step) == 3
+
+
+@pytest.mark.parametrize("clipping", ["flat", "normalized"])
+def test_private_step_equals_per_example_loop(clipping):
+    model, params, loss_fn = classifier()
+    x, y = data(8)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1.0])
+    clip_norm, sigma, expected, lr = 0.5, 1.1, 6.5, 0.2
+    step = dpfunc.make_train_step(
+        loss_fn,
+        dpfunc.optim.sgd(lr=lr),
+        clip_norm=clip_norm,
+        noise_multiplier=sigma,
+        expected_batch_size=expected,
+        clipping=clipping,
+    )
+    noise = dpfunc.standard_normal_like(params, seed=3, step=0)
+    state, metrics = step(step.init(params), (x, y), mask, noise)
+
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    clipped = 0
+    for i in range(8):
+        if not mask[i]:
+            continue
+        model.zero_grad()
+        F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]).backward()
+        g = {k: p.grad for k, p in model.named_parameters()}
+        norm = torch.sqrt(sum(v.pow(2).sum() for v in g.values()))
+        if clipping == "flat":
+            factor = min(1.0, clip_norm / float(norm))
+        else:
+            factor = clip_norm / (float(norm) + 0.01)
+        clipped += factor < 1
+        for k in total:
+            total[k] += factor * g[k]
+    for k, p in params.items():
+        want = p - lr * (total[k] + sigma * clip_norm * noise[k]) / expected
+        torch.testing.assert_close(state.params[k], want, rtol=1e-10, atol=1e-12)
+    assert metrics["batch_size"] == 6
+    torch.testing.assert_close(metrics["clipped_fraction"], torch.tensor(clipped / 6))
+
+
+def test_per_layer_step_bounds_each_module():
+    _, params, loss_fn = classifier()
+    x, y = data(4)
+    x[0] *= 1e3
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=1.0), clip_norm=1.0, noise_multiplier=0.0,
+        expected_batch_size=1, clipping="per_layer",
+    )
+    one = torch.tensor([1.0, 0, 0, 0])
+    state, metrics = step(step.init(params), (x, y), one, tree_map(torch.zeros_like, params))
+    update = {k: params[k] - state.params[k] for k in params}
+    for module in ("0", "2"):
+        layer = torch.sqrt(sum(update[k].pow(2).sum() for k in update if k.startswith(module)))
+        assert layer <= 1 / math.sqrt(2) * (1 + 1e-9)
+    assert metrics["clipped_fraction"] == 1
+
+
+def test_masked_example_equals_removed_example_in_the_step():
+    _, params, loss_fn = classifier()
+    x, y = data(6)
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.adam(lr=0.1), clip_norm=0.3, noise_multiplier=0.8,
+        expected_batch_size=5,
+    )
+    noise = dpfunc.standard_normal_like(params, seed=0, step=0)
+    masked, m1 = step(step.init(params), (x, y), torch.tensor([1, 1, 1, 0, 1, 1.0]), noise)
+    keep = [0, 1, 2, 4, 5]
+    removed, m2 = step(step.init(params), (x[keep], y[keep]), torch.ones(5), noise)
+    for k in params:
+        torch.testing.assert_close(masked.params[k], removed.params[k], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(m1["loss"], m2["loss"])
+
+
+def test_accumulated_micro_batches_equal_one_batch():
+    _, params, loss_fn = classifier(seed=2)
+    x, y = data(256, seed=5)
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.adamw(lr=0.05), clip_norm=1.0, noise_multiplier=1.0,
+        expected_batch_size=256.0,
+    )
+    noise = dpfunc.standard_normal_like(params, seed=9, step=0)
+    state = step.init(params)
+    whole, _ = step(state, (x, y), torch.ones(256), noise)
+
+    summed, stats = step.zeros(params), []
+    for chunk in range(4):
+        rows = slice(64 * chunk, 64 * (chunk + 1))
+        summed, s = step.accumulate(summed, state.params, (x[rows], y[rows]), torch.ones(64))
+        stats.append(s)
+    accumulated = step.apply(state, summed, noise)
+    for k in params:
+        torch.testing.assert_close(accumulated.params[k], whole.params[k], rtol=1e-10, atol=1e-12)
+    metrics = dpfunc.summarize(dpfunc.ExampleStats.cat(stats))
+    assert metrics["batch_size"] == 256
+
+
+def test_nonfinite_example_is_dropped_and_counted():
+    _, params, loss_fn = classifier()
+    x, y = data(5)
+    x[2, 0] = math.nan
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=0.5,
+        expected_batch_size=5,
+    )
+    noise = dpfunc.standard_normal_like(params, seed=0, step=0)
+    state, metrics = step(step.init(params), (x, y), torch.ones(5), noise)
+    assert metrics["nonfinite"] == 1
+    assert all(torch.isfinite(v).all() for v in state.params.values())
+    keep = [0, 1, 3, 4]
+    mask = torch.tensor([1.0, 1, 0, 1, 1])
+    without, _ = step(step.init(params), (x[keep], y[keep]), torch.ones(4), noise)
+    del mask
+    for k in params:
+        torch.testing.assert_close(state.params[k], without.params[k])
+
+
+def test_empty_batch_still_steps_with_noise_only():
+    _, params, loss_fn = classifier()
+    x, y = data(4)
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=1.0), clip_norm=2.0, noise_multiplier=1.5,
+        expected_batch_size=10,
+    )
+    noise = dpfunc.standard_normal_like(params, seed=0, step=0)
+    state, metrics = step(step.init(params), (x, y), torch.zeros(4), noise)
+    for k in params:
+        torch.testing.assert_close(state.params[k], params[k] - 1.5 * 2.0 * noise[k] / 10)
+    assert metrics["batch_size"] == 0 and metrics["loss"] == 0
+    assert int(state.step) == 1
+
+
+def test_inputs_are_not_modified():
+    _, params, loss_fn = classifier()
+    before = {k: v.clone() for k, v in params.items()}
+    x, y = data(4)
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=1.0, momentum=0.5), clip_norm=1.0, noise_multiplier=1.0,
+        expected_batch_size=4,
+    )
+    state = step.init(params)
+    noise = dpfunc.standard_normal_like(params, seed=0, step=0)
+    step(state, (x, y), torch.ones(4), noise)
+    assert all(torch.equal(params[k], before[k]) for k in params)
+
+
+@pytest.mark.slow
+def test_compiled_equals_eager_with_one_graph_over_many_steps():
+    torch._dynamo.reset()
+    _, params, loss_fn = classifier(dtype=torch.float32)
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.adam(lr=0.01), clip_norm=0.5, noise_multiplier=1.0,
+        expected_batch_size=12.5,
+    )
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    inductor = torch.compile(step, fullgraph=True)
+    eager_state = counted_state = compiled_state = step.init(params)
+    for i in range(4):
+        x, y = data(16, dtype=torch.float32, seed=i)
+        mask = (torch.arange(16) % (i + 2) != 0).float()
+        noise = dpfunc.standard_normal_like(params, seed=0, step=i)
+        eager_state, eager_metrics = step(eager_state, (x, y), mask, noise)
+        counted_state, _ = compiled(counted_state, (x, y), mask, noise)
+        compiled_state, metrics = inductor(compiled_state, (x, y), mask, noise)
+        for k in params:
+            torch.testing.assert_close(compiled_state.params[k], eager_state.params[k],
+                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(counted_state.params[k], eager_state.params[k])
+        torch.testing.assert_close(metrics["loss"], eager_metrics["loss"], rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(clip_norm=0.0), ValueError, "clip_norm=0.0"),
+        (dict(clip_norm=-1.0), ValueError, "clip_norm=-1.0"),
+        (dict(noise_multiplier=-0.1), ValueError, "noise_multiplier=-0.1"),
+        (dict(noise_multiplier=math.nan), ValueError, "noise_multiplier=nan"),
+        (dict(expected_batch_size=0), ValueError, "expected_batch_size=0"),
+        (dict(clip_norm=math.inf), ValueError, "clip_norm=inf"),
+        (dict(clipping="ghost-free"), ValueError, "clipping='ghost-free'"),
+        (dict(chunk_size=0), ValueError, "chunk_size=0"),
+        (dict(optimizer=torch.optim.SGD), TypeError, "optimizer"),
+    ],
+)
+def test_bad_construction_raises(kwargs, error, match):
+    _, _, loss_fn = classifier()
+    args = dict(optimizer=dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=1.0,
+                expected_batch_size=8)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        dpfunc.make_train_step(loss_fn, **args)
+
+
+def test_bad_call_raises():
+    _, params, loss_fn = classifier()
+    x, y = data(4)
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=1.0,
+        expected_batch_size=4,
+    )
+    state = step.init(params)
+    noise = dpfunc.standard_normal_like(params, seed=0, step=0)
+    with pytest.raises(ValueError, match="noise"):
+        step(state, (x, y), torch.ones(4), {"0.weight": noise["0.weight"]})
+    with pytest.raises(ValueError, match="mask"):
+        step(state, (x, y), torch.ones(5), noise)
+    bad = dpfunc.make_train_step(
+        lambda p, ex: loss_fn(p, ex) * torch.ones(2), dpfunc.optim.sgd(lr=0.1), clip_norm=1.0,
+        noise_multiplier=1.0, expected_batch_size=4,
+    )
+    with pytest.raises(ValueError, match="0-d tensor"):
+        bad(state, (x, y), torch.ones(4), noise)
