@@ -5,12 +5,13 @@ The model becomes a pytree of parameters; each example's gradient comes from
 noise and average them; the step compiles with ``torch.compile``.
 """
 
-from . import optim
+from . import accounting, data, optim
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
 from .functional import check_per_example, functionalize, replace_batchnorm
 from .noise import add_noise, average, standard_normal_like
 from .per_sample import per_sample_grads, per_sample_grads_and_losses
 from .step import ExampleStats, TrainState, TrainStep, make_train_step, summarize
+from .trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,9 @@ __all__ = [
     "ExampleStats",
     "TrainState",
     "TrainStep",
+    "Trainer",
+    "accounting",
+    "data",
     "add_noise",
     "average",
     "check_per_example",

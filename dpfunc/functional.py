@@ -55,7 +55,9 @@ def functionalize(module: nn.Module) -> tuple[Params, dict[str, Tensor]]:
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     check_per_example(module)
     for sub in module.modules():
-        if type(sub) in (nn.RNN, nn.GRU, nn.LSTM) and not getattr(sub, "_dpfunc_hidden_hook", False):
+        if type(sub) in (nn.RNN, nn.GRU, nn.LSTM) and not getattr(
+            sub, "_dpfunc_hidden_hook", False
+        ):
             sub.register_forward_pre_hook(_zero_hidden_state, with_kwargs=True)
             sub._dpfunc_hidden_hook = True
     params, buffers = {}, {}

@@ -11,7 +11,8 @@ penalty) compose.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 from torch.func import grad_and_value, vmap
@@ -95,7 +96,9 @@ def batch_size(batch: PyTree, name: str = "batch") -> int:
 def _grads_and_losses(loss_fn, params, batch, chunk_size, has_aux):
     batch_size(batch)
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
+        raise ValueError(
+            f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}"
+        )
 
     def example_loss(p, example):
         out = loss_fn(p, example)

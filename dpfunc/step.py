@@ -100,20 +100,30 @@ class TrainStep:
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+        if not (
+            callable(getattr(optimizer, "init", None))
+            and callable(getattr(optimizer, "update", None))
+        ):
             raise TypeError(
                 "optimizer must be an (init, update) pair such as dpfunc.optim.sgd(lr=0.1), "
                 f"got {type(optimizer).__name__}"
             )
-        if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not clip_norm > 0:
-            raise ValueError(f"clip_norm must be > 0 (inf disables clipping), got clip_norm={clip_norm!r}")
+        if (
+            isinstance(clip_norm, bool)
+            or not isinstance(clip_norm, (int, float))
+            or not clip_norm > 0
+        ):
+            raise ValueError(
+                f"clip_norm must be > 0 (inf disables clipping), got clip_norm={clip_norm!r}"
+            )
         if (
             isinstance(noise_multiplier, bool)
             or not isinstance(noise_multiplier, (int, float))
             or not 0 <= noise_multiplier < math.inf
         ):
             raise ValueError(
-                f"noise_multiplier must be finite and >= 0, got noise_multiplier={noise_multiplier!r}"
+                "noise_multiplier must be finite and >= 0, "
+                f"got noise_multiplier={noise_multiplier!r}"
             )
         if math.isinf(clip_norm) and noise_multiplier > 0:
             raise ValueError(
@@ -126,8 +136,12 @@ class TrainStep:
             raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got clipping={clipping!r}")
         if clipping == "normalized" and math.isinf(clip_norm):
             raise ValueError("clipping='normalized' needs a finite clip_norm, got clip_norm=inf")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}")
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(
+                f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}"
+            )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.clip_norm = float(clip_norm)
@@ -146,7 +160,9 @@ class TrainStep:
         """An empty clipped sum, to start accumulating a logical batch."""
         return tree_zeros_like(params)
 
-    def clip(self, params: Params, batch: PyTree, mask: Tensor | None) -> tuple[Params, ExampleStats]:
+    def clip(
+        self, params: Params, batch: PyTree, mask: Tensor | None
+    ) -> tuple[Params, ExampleStats]:
         """The clipped sum of one micro-batch and its per-example stats."""
         size = batch_size(batch)
         if mask is None:

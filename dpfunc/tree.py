@@ -11,7 +11,8 @@ do not depend on dict insertion order.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import optree
 import torch

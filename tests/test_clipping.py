@@ -176,7 +176,9 @@ def test_add_remove_one_sensitivity_on_neighbouring_batches(clipping, clip_norm)
             "unknown=\\['b'\\]",
         ),
         (
-            lambda: dpfunc.per_sample_norms({"a": torch.ones(2, 1), "c": torch.ones(2)}, {"g": ["a"]}),
+            lambda: dpfunc.per_sample_norms(
+                {"a": torch.ones(2, 1), "c": torch.ones(2)}, {"g": ["a"]}
+            ),
             "missing=\\['c'\\]",
         ),
     ],

@@ -100,8 +100,12 @@ def test_per_layer_step_bounds_each_module():
     x, y = data(4)
     x[0] *= 1e3
     step = dpfunc.make_train_step(
-        loss_fn, dpfunc.optim.sgd(lr=1.0), clip_norm=1.0, noise_multiplier=0.0,
-        expected_batch_size=1, clipping="per_layer",
+        loss_fn,
+        dpfunc.optim.sgd(lr=1.0),
+        clip_norm=1.0,
+        noise_multiplier=0.0,
+        expected_batch_size=1,
+        clipping="per_layer",
     )
     one = torch.tensor([1.0, 0, 0, 0])
     state, metrics = step(step.init(params), (x, y), one, tree_map(torch.zeros_like, params))
@@ -116,7 +120,10 @@ def test_masked_example_equals_removed_example_in_the_step():
     _, params, loss_fn = classifier()
     x, y = data(6)
     step = dpfunc.make_train_step(
-        loss_fn, dpfunc.optim.adam(lr=0.1), clip_norm=0.3, noise_multiplier=0.8,
+        loss_fn,
+        dpfunc.optim.adam(lr=0.1),
+        clip_norm=0.3,
+        noise_multiplier=0.8,
         expected_batch_size=5,
     )
     noise = dpfunc.standard_normal_like(params, seed=0, step=0)
@@ -132,7 +139,10 @@ def test_accumulated_micro_batches_equal_one_batch():
     _, params, loss_fn = classifier(seed=2)
     x, y = data(256, seed=5)
     step = dpfunc.make_train_step(
-        loss_fn, dpfunc.optim.adamw(lr=0.05), clip_norm=1.0, noise_multiplier=1.0,
+        loss_fn,
+        dpfunc.optim.adamw(lr=0.05),
+        clip_norm=1.0,
+        noise_multiplier=1.0,
         expected_batch_size=256.0,
     )
     noise = dpfunc.standard_normal_like(params, seed=9, step=0)
@@ -156,7 +166,10 @@ def test_nonfinite_example_is_dropped_and_counted():
     x, y = data(5)
     x[2, 0] = math.nan
     step = dpfunc.make_train_step(
-        loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=0.5,
+        loss_fn,
+        dpfunc.optim.sgd(lr=0.1),
+        clip_norm=1.0,
+        noise_multiplier=0.5,
         expected_batch_size=5,
     )
     noise = dpfunc.standard_normal_like(params, seed=0, step=0)
@@ -175,7 +188,10 @@ def test_empty_batch_still_steps_with_noise_only():
     _, params, loss_fn = classifier()
     x, y = data(4)
     step = dpfunc.make_train_step(
-        loss_fn, dpfunc.optim.sgd(lr=1.0), clip_norm=2.0, noise_multiplier=1.5,
+        loss_fn,
+        dpfunc.optim.sgd(lr=1.0),
+        clip_norm=2.0,
+        noise_multiplier=1.5,
         expected_batch_size=10,
     )
     noise = dpfunc.standard_normal_like(params, seed=0, step=0)
@@ -191,7 +207,10 @@ def test_inputs_are_not_modified():
     before = {k: v.clone() for k, v in params.items()}
     x, y = data(4)
     step = dpfunc.make_train_step(
-        loss_fn, dpfunc.optim.sgd(lr=1.0, momentum=0.5), clip_norm=1.0, noise_multiplier=1.0,
+        loss_fn,
+        dpfunc.optim.sgd(lr=1.0, momentum=0.5),
+        clip_norm=1.0,
+        noise_multiplier=1.0,
         expected_batch_size=4,
     )
     state = step.init(params)
@@ -205,7 +224,10 @@ def test_compiled_equals_eager_with_one_graph_over_many_steps():
     torch._dynamo.reset()
     _, params, loss_fn = classifier(dtype=torch.float32)
     step = dpfunc.make_train_step(
-        loss_fn, dpfunc.optim.adam(lr=0.01), clip_norm=0.5, noise_multiplier=1.0,
+        loss_fn,
+        dpfunc.optim.adam(lr=0.01),
+        clip_norm=0.5,
+        noise_multiplier=1.0,
         expected_batch_size=12.5,
     )
     counter = CompileCounter()
@@ -220,8 +242,9 @@ def test_compiled_equals_eager_with_one_graph_over_many_steps():
         counted_state, _ = compiled(counted_state, (x, y), mask, noise)
         compiled_state, metrics = inductor(compiled_state, (x, y), mask, noise)
         for k in params:
-            torch.testing.assert_close(compiled_state.params[k], eager_state.params[k],
-                                       rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                compiled_state.params[k], eager_state.params[k], rtol=1e-5, atol=1e-6
+            )
             torch.testing.assert_close(counted_state.params[k], eager_state.params[k])
         torch.testing.assert_close(metrics["loss"], eager_metrics["loss"], rtol=1e-5, atol=1e-6)
     assert counter.frame_count == 1
@@ -243,8 +266,12 @@ def test_compiled_equals_eager_with_one_graph_over_many_steps():
 )
 def test_bad_construction_raises(kwargs, error, match):
     _, _, loss_fn = classifier()
-    args = dict(optimizer=dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=1.0,
-                expected_batch_size=8)
+    args = dict(
+        optimizer=dpfunc.optim.sgd(lr=0.1),
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+    )
     args.update(kwargs)
     with pytest.raises(error, match=match):
         dpfunc.make_train_step(loss_fn, **args)
@@ -254,7 +281,10 @@ def test_bad_call_raises():
     _, params, loss_fn = classifier()
     x, y = data(4)
     step = dpfunc.make_train_step(
-        loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=1.0,
+        loss_fn,
+        dpfunc.optim.sgd(lr=0.1),
+        clip_norm=1.0,
+        noise_multiplier=1.0,
         expected_batch_size=4,
     )
     state = step.init(params)
@@ -264,8 +294,11 @@ def test_bad_call_raises():
     with pytest.raises(ValueError, match="mask"):
         step(state, (x, y), torch.ones(5), noise)
     bad = dpfunc.make_train_step(
-        lambda p, ex: loss_fn(p, ex) * torch.ones(2), dpfunc.optim.sgd(lr=0.1), clip_norm=1.0,
-        noise_multiplier=1.0, expected_batch_size=4,
+        lambda p, ex: loss_fn(p, ex) * torch.ones(2),
+        dpfunc.optim.sgd(lr=0.1),
+        clip_norm=1.0,
+        noise_multiplier=1.0,
+        expected_batch_size=4,
     )
     with pytest.raises(ValueError, match="0-d tensor"):
         bad(state, (x, y), torch.ones(4), noise)

@@ -1,0 +1,317 @@
+"""Optimizers as gradient transformations: pure ``(init, update)`` pairs.
+
+The last box of a private step turns the averaged, noised gradient into a
+change of the parameters. As in optax, an optimizer is a
+:class:`GradientTransformation`, a NamedTuple of two pure functions::
+
+    state = opt.init(params)
+    updates, state = opt.update(grads, state, params)
+    params = apply_updates(params, updates)       # p + u, leaf by leaf
+
+``update`` returns the UPDATES TO ADD to the parameters (``-lr * g`` for
+plain SGD), never the new parameters, so transformations compose with
+:func:`chain`. Neither function changes its inputs in place; the state is a
+NamedTuple of tensors (counters are 0-d int64 tensors), so a step that calls
+``update`` compiles with ``torch.compile(fullgraph=True)`` into one graph that
+is reused on every step.
+
+:func:`sgd`, :func:`adam` and :func:`adamw` reproduce the math of
+``torch.optim.SGD``, ``torch.optim.Adam`` and ``torch.optim.AdamW`` (default
+flags: no amsgrad, no maximize) step for step. The optimizer only ever sees
+the private gradient, so it is post-processing and costs no privacy.
+Parameters are real floating-point tensors; every hyperparameter is checked
+once, when the transformation is built.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .tree import Params, PyTree, check_same_structure, tree_map, tree_zeros_like
+
+State = Any  # a NamedTuple (or tuple) of tensors
+
+
+class GradientTransformation(NamedTuple):
+    """An optimizer as two pure functions.
+
+    ``init(params) -> state``: the state before the first step.
+    ``update(updates, state, params) -> (updates, state)``: maps the incoming
+    gradient tree to the tree of updates to ADD to ``params`` (see
+    :func:`apply_updates`) and the next state.
+    """
+
+    init: Callable[[PyTree], State]
+    update: Callable[[PyTree, State, PyTree], tuple[PyTree, State]]
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless transformation."""
+
+
+class SgdState(NamedTuple):
+    momentum: Params | None  # like params; None when momentum == 0
+    count: Tensor  # shape (), int64: steps taken
+
+
+class AdamState(NamedTuple):
+    exp_avg: Params  # like params: first moment m
+    exp_avg_sq: Params  # like params: second moment v
+    count: Tensor  # shape (), int64: steps taken
+
+
+def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
+    """``params + updates`` leaf by leaf, as new tensors (``params`` is unchanged).
+
+    Raises:
+        ValueError: ``updates`` and ``params`` differ in tree structure or leaf shape.
+    """
+    check_same_structure(updates, params, "updates", "params")
+    return tree_map(torch.add, params, updates)
+
+
+def scale(factor: float) -> GradientTransformation:
+    """Multiplies every update by ``factor``; stateless (state is :class:`EmptyState`).
+
+    ``scale(-lr)`` is gradient descent without momentum; inside :func:`chain`
+    it rescales the gradient before (or after) another transformation.
+
+    Raises:
+        ValueError: ``factor`` is not a finite real number.
+    """
+    _check_real("factor", factor, _is_real(factor) and math.isfinite(factor), "a finite number")
+
+    def init(params: PyTree) -> EmptyState:
+        return EmptyState()
+
+    def update(updates: PyTree, state: EmptyState, params: PyTree = None):
+        return tree_map(lambda u: u * factor, updates), state
+
+    return GradientTransformation(init, update)
+
+
+def chain(*transforms: GradientTransformation) -> GradientTransformation:
+    """Applies ``transforms`` in order, each to the previous one's updates.
+
+    The state is a tuple of the inner states, in the same order; every
+    transform sees the same ``params``. ``chain()`` is the identity.
+
+    >>> opt = chain(scale(2.0), sgd(lr=0.1))    # SGD on the doubled gradient
+
+    Raises:
+        TypeError: an argument is not a :class:`GradientTransformation`.
+    """
+    for i, t in enumerate(transforms):
+        if not isinstance(t, GradientTransformation):
+            raise TypeError(
+                f"chain expects GradientTransformation arguments, got {type(t).__name__} "
+                f"at position {i}: {t!r}"
+            )
+
+    def init(params: PyTree) -> tuple:
+        return tuple(t.init(params) for t in transforms)
+
+    def update(updates: PyTree, state: tuple, params: PyTree = None):
+        new_states = []
+        for t, s in zip(transforms, state, strict=True):
+            updates, s = t.update(updates, s, params)
+            new_states.append(s)
+        return updates, tuple(new_states)
+
+    return GradientTransformation(init, update)
+
+
+def sgd(
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Stochastic gradient descent with momentum; the math of ``torch.optim.SGD``.
+
+    With ``d = g + weight_decay * p`` and ``t`` the step (1, 2, ...)::
+
+        buf_1 = d,   buf_t = momentum * buf_{t-1} + (1 - dampening) * d
+        update = -lr * (d + momentum * buf_t)   if nesterov
+                 -lr * buf_t                    if momentum > 0
+                 -lr * d                        otherwise
+
+    The first-step case ``buf_1 = d`` (no dampening) is a ``torch.where`` on
+    the step counter, so the compiled step is one graph for all steps.
+    State: :class:`SgdState` (no momentum buffer when ``momentum == 0``).
+
+    Raises:
+        ValueError: ``lr <= 0``; ``momentum`` outside [0, 1); ``dampening``
+            outside [0, 1]; ``weight_decay < 0``; ``nesterov`` with
+            ``momentum == 0`` or ``dampening != 0`` (as torch does).
+    """
+    _check_positive("lr", lr)
+    _check_unit_interval("momentum", momentum)
+    _check_real("dampening", dampening, _is_real(dampening) and 0 <= dampening <= 1, "in [0, 1]")
+    _check_nonnegative("weight_decay", weight_decay)
+    if not isinstance(nesterov, bool):
+        raise ValueError(f"nesterov must be a bool, got nesterov={nesterov!r}")
+    if nesterov and (momentum == 0 or dampening != 0):
+        raise ValueError(
+            "nesterov requires momentum > 0 and dampening == 0, got "
+            f"nesterov={nesterov!r}, momentum={momentum!r}, dampening={dampening!r}"
+        )
+
+    def init(params: PyTree) -> SgdState:
+        buffers = tree_zeros_like(params) if momentum > 0 else None
+        return SgdState(buffers, torch.zeros((), dtype=torch.int64))
+
+    def update(grads: PyTree, state: SgdState, params: PyTree = None):
+        if weight_decay > 0:
+            _require_params(params, "sgd", "weight_decay")
+            check_same_structure(grads, params, "grads", "params")
+            grads = tree_map(lambda g, p: g + weight_decay * p, grads, params)
+        if momentum == 0:
+            return tree_map(lambda d: -lr * d, grads), SgdState(None, state.count + 1)
+
+        first = state.count == 0
+
+        def new_buffer(d: Tensor, buf: Tensor) -> Tensor:
+            return torch.where(first.to(d.device), d, momentum * buf + (1 - dampening) * d)
+
+        buffers = tree_map(new_buffer, grads, state.momentum)
+        if nesterov:
+            updates = tree_map(lambda d, buf: -lr * (d + momentum * buf), grads, buffers)
+        else:
+            updates = tree_map(lambda buf: -lr * buf, buffers)
+        return updates, SgdState(buffers, state.count + 1)
+
+    return GradientTransformation(init, update)
+
+
+def adam(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> GradientTransformation:
+    """Adam (Kingma & Ba 2015) with L2 on the gradient; the math of ``torch.optim.Adam``.
+
+    With ``d = g + weight_decay * p`` and ``t`` the step (1, 2, ...)::
+
+        m_t = lerp(m_{t-1}, d, 1 - b1),   v_t = b2 * v_{t-1} + (1 - b2) * d**2
+        update = -lr / (1 - b1**t) * m_t / (sqrt(v_t) / sqrt(1 - b2**t) + eps)
+
+    The bias corrections are computed from the 0-d step counter in each
+    parameter's dtype (float64 parameters stay float64), so the compiled step
+    is one graph for all steps. State: :class:`AdamState`.
+
+    Raises:
+        ValueError: ``lr <= 0``; a beta outside [0, 1); ``eps <= 0``;
+            ``weight_decay < 0``.
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=False)
+
+
+def adamw(
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+) -> GradientTransformation:
+    """Adam with decoupled weight decay (Loshchilov & Hutter 2019); ``torch.optim.AdamW``.
+
+    The parameters shrink by ``(1 - lr * weight_decay)`` before the Adam step
+    on the plain gradient, so the update is
+    ``-lr * weight_decay * p + adam_update(g)``. State: :class:`AdamState`.
+
+    Raises:
+        ValueError: as :func:`adam`.
+    """
+    return _adam(lr, betas, eps, weight_decay, decoupled=True)
+
+
+def _adam(lr, betas, eps, weight_decay, decoupled: bool) -> GradientTransformation:
+    _check_positive("lr", lr)
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got betas={betas!r}")
+    for i, beta in enumerate(betas):
+        if not (_is_real(beta) and 0 <= beta < 1):
+            raise ValueError(f"betas[{i}] must be in [0, 1), got betas={betas!r}")
+    b1, b2 = float(betas[0]), float(betas[1])
+    _check_positive("eps", eps)
+    _check_nonnegative("weight_decay", weight_decay)
+
+    def init(params: PyTree) -> AdamState:
+        zeros = torch.zeros((), dtype=torch.int64)
+        return AdamState(tree_zeros_like(params), tree_zeros_like(params), zeros)
+
+    def update(grads: PyTree, state: AdamState, params: PyTree = None):
+        if weight_decay > 0:
+            _require_params(params, "adamw" if decoupled else "adam", "weight_decay")
+            check_same_structure(grads, params, "grads", "params")
+            if not decoupled:
+                grads = tree_map(lambda g, p: g + weight_decay * p, grads, params)
+        count = state.count + 1
+        exp_avg = tree_map(lambda m, d: torch.lerp(m, d, 1 - b1), state.exp_avg, grads)
+        exp_avg_sq = tree_map(lambda v, d: b2 * v + (1 - b2) * (d * d), state.exp_avg_sq, grads)
+
+        def adam_update(m: Tensor, v: Tensor) -> Tensor:
+            t = count.to(device=m.device, dtype=m.dtype)
+            step_size = lr / (1 - b1**t)
+            denom = v.sqrt() / (1 - b2**t).sqrt() + eps
+            return -step_size * (m / denom)
+
+        updates = tree_map(adam_update, exp_avg, exp_avg_sq)
+        if decoupled and weight_decay > 0:
+            updates = tree_map(lambda u, p: u - (lr * weight_decay) * p, updates, params)
+        return updates, AdamState(exp_avg, exp_avg_sq, count)
+
+    return GradientTransformation(init, update)
+
+
+# --- validation at the boundary ----------------------------------------------
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_real(name: str, value: Any, ok: bool, requirement: str) -> None:
+    if not (_is_real(value) and ok):
+        raise ValueError(f"{name} must be {requirement}, got {name}={value!r}")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    ok = _is_real(value) and math.isfinite(value) and value > 0
+    _check_real(name, value, ok, "a finite number > 0")
+
+
+def _check_nonnegative(name: str, value: Any) -> None:
+    ok = _is_real(value) and math.isfinite(value) and value >= 0
+    _check_real(name, value, ok, "a finite number >= 0")
+
+
+def _check_unit_interval(name: str, value: Any) -> None:
+    _check_real(name, value, _is_real(value) and 0 <= value < 1, "in [0, 1)")
+
+
+def _require_params(params: PyTree, optimizer: str, option: str) -> None:
+    if params is None:
+        raise ValueError(f"{optimizer} with {option} > 0 needs params, got params=None")
+
+
+__all__ = [
+    "AdamState",
+    "EmptyState",
+    "GradientTransformation",
+    "SgdState",
+    "adam",
+    "adamw",
+    "apply_updates",
+    "chain",
+    "scale",
+    "sgd",
+]

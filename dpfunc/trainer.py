@@ -1,0 +1,358 @@
+"""The training loop: Poisson batches, the private step, accounting, checkpoints.
+
+``Trainer`` runs DP-SGD end to end: each logical step draws a Poisson sample
+of the dataset, runs it through the step as fixed-shape micro-batches, adds
+the noise once, and records the step with the accountant, empty batches
+included. It can calibrate the noise to a target epsilon before training,
+stop before a step would exceed an epsilon budget, evaluate after each
+epoch, and checkpoint so that a resumed run ends bit-identical to an
+uninterrupted one (the sample and the noise of step t depend only on the
+seed and t).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import optree
+import torch
+from tqdm.auto import tqdm
+
+from . import optim
+from .accounting import Accountant, calibrate_noise_multiplier
+from .data import PoissonBatches, dataset_size
+from .noise import standard_normal_like
+from .per_sample import LossFn
+from .step import ExampleStats, TrainState, make_train_step, summarize
+from .tree import Params
+
+CHECKPOINT_VERSION = 1
+
+
+class Trainer:
+    """Private training of ``params`` on ``dataset`` with DP-SGD.
+
+    Args:
+        loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
+        params: the initial trainable parameters (``functionalize(model)[0]``).
+        dataset: a tensor, a tuple of tensors, a ``TensorDataset`` or any
+            indexable dataset (see :mod:`dpfunc.data`).
+        optimizer: a :mod:`dpfunc.optim` transformation.
+        epochs: planned passes over the data; ``steps = epochs * steps_per_epoch``
+            with ``steps_per_epoch = round(num_examples / expected_batch_size)``.
+        expected_batch_size: ``sample_rate * num_examples``; each example is
+            sampled independently with ``sample_rate = expected_batch_size / n``.
+        clip_norm: the per-example bound ``C``.
+        noise_multiplier: ``sigma``; or give ``target_epsilon`` instead, and
+            the smallest sigma whose epsilon after all planned steps is at
+            most the target is found before training.
+        delta: the delta of the reported epsilon. Default: the largest power
+            of ten below ``1 / num_examples``; a delta of ``1 / n`` or more
+            allows releasing a whole example and gets a warning.
+        physical_batch_size: rows per micro-batch (the compiled shape).
+            Default: the expected batch size plus three standard deviations
+            of the Poisson batch size, so most batches fit in one.
+        clipping: ``"flat"``, ``"per_layer"`` or ``"normalized"``.
+        accounting: ``"pld"`` (default, tight) or ``"rdp"``.
+        epsilon_budget: stop before a step would make epsilon exceed this.
+        eval_fn: ``eval_fn(params) -> dict[str, float]`` called after each
+            epoch; its results go into the history.
+        seed: fixes the Poisson samples and the noise.
+        compile: run the step through ``torch.compile(fullgraph=True)``.
+        checkpoint_path: where :meth:`fit` saves after every epoch (and
+            every ``checkpoint_every`` steps if given).
+        progress: show a tqdm bar with loss, epsilon and examples/s.
+        chunk_size: passed to :func:`~dpfunc.per_sample_grads`.
+    """
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        params: Params,
+        dataset: Any,
+        *,
+        optimizer: optim.GradientTransformation,
+        epochs: float,
+        expected_batch_size: float,
+        clip_norm: float,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        delta: float | None = None,
+        physical_batch_size: int | None = None,
+        clipping: str = "flat",
+        accounting: str = "pld",
+        epsilon_budget: float | None = None,
+        eval_fn: Callable[[Params], dict[str, float]] | None = None,
+        seed: int = 0,
+        compile: bool = False,
+        checkpoint_path: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        progress: bool = True,
+        chunk_size: int | None = None,
+    ):
+        n = dataset_size(dataset)
+        if not (isinstance(epochs, (int, float)) and 0 < epochs < math.inf):
+            raise ValueError(f"epochs must be a finite number > 0, got epochs={epochs!r}")
+        if not (isinstance(expected_batch_size, (int, float)) and 0 < expected_batch_size <= n):
+            raise ValueError(
+                f"expected_batch_size must be in (0, {n}] (the dataset size), "
+                f"got expected_batch_size={expected_batch_size!r}"
+            )
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise ValueError(
+                "give exactly one of noise_multiplier and target_epsilon, got "
+                f"noise_multiplier={noise_multiplier!r}, target_epsilon={target_epsilon!r}"
+            )
+        if delta is None:
+            delta = 10.0 ** -(math.floor(math.log10(n)) + 1)
+        elif not (isinstance(delta, float) and 0 < delta < 1):
+            raise ValueError(f"delta must be a float in (0, 1), got delta={delta!r}")
+        elif delta >= 1 / n:
+            warnings.warn(
+                f"delta={delta!r} is not below 1/num_examples={1 / n:.3g}: a mechanism that "
+                "publishes one whole random example meets it. Use delta < 1/n.",
+                stacklevel=2,
+            )
+        if physical_batch_size is None:
+            physical_batch_size = math.ceil(
+                expected_batch_size + 3 * math.sqrt(expected_batch_size)
+            )
+        if not (isinstance(physical_batch_size, int) and physical_batch_size >= 1):
+            raise ValueError(
+                "physical_batch_size must be a positive int, "
+                f"got physical_batch_size={physical_batch_size!r}"
+            )
+        if epsilon_budget is not None and not epsilon_budget > 0:
+            raise ValueError(f"epsilon_budget must be > 0, got epsilon_budget={epsilon_budget!r}")
+        if checkpoint_every is not None and not (
+            isinstance(checkpoint_every, int) and checkpoint_every >= 1
+        ):
+            raise ValueError(
+                "checkpoint_every must be a positive int, "
+                f"got checkpoint_every={checkpoint_every!r}"
+            )
+        if checkpoint_every is not None and checkpoint_path is None:
+            raise ValueError("checkpoint_every needs checkpoint_path")
+
+        self.num_examples = n
+        self.sample_rate = expected_batch_size / n
+        self.steps_per_epoch = max(1, round(n / expected_batch_size))
+        self.total_steps = max(1, round(epochs * self.steps_per_epoch))
+        self.delta = delta
+        if target_epsilon is not None:
+            noise_multiplier = calibrate_noise_multiplier(
+                target_epsilon, delta, self.sample_rate, self.total_steps, method=accounting
+            )
+        self.noise_multiplier = float(noise_multiplier)
+        self.seed = seed
+        self.epsilon_budget = epsilon_budget
+        self.eval_fn = eval_fn
+        self.progress = progress
+        self.checkpoint_path = checkpoint_path
+        self.checkpoint_every = checkpoint_every
+
+        self.step_fn = make_train_step(
+            loss_fn,
+            optimizer,
+            clip_norm=clip_norm,
+            noise_multiplier=self.noise_multiplier,
+            expected_batch_size=expected_batch_size,
+            clipping=clipping,
+            chunk_size=chunk_size,
+        )
+        self._accumulate = self.step_fn.accumulate
+        self._apply = self.step_fn.apply
+        if compile:
+            self._accumulate = torch.compile(self._accumulate, fullgraph=True)
+            self._apply = torch.compile(self._apply, fullgraph=True)
+        self.batches = PoissonBatches(dataset, self.sample_rate, physical_batch_size, seed=seed)
+        self.state: TrainState = self.step_fn.init(params)
+        self.accountant = Accountant(method=accounting)
+        self.history: list[dict[str, float]] = []
+
+    @property
+    def params(self) -> Params:
+        return self.state.params
+
+    @property
+    def steps_done(self) -> int:
+        return self.accountant.steps
+
+    def epsilon(self) -> float:
+        """Epsilon spent so far at ``self.delta`` (the accountant's value)."""
+        return self.accountant.epsilon(self.delta)
+
+    def train_step(self) -> dict[str, float]:
+        """One logical DP-SGD step; returns its (non-private) metrics as floats."""
+        t = self.steps_done
+        micro_batches, _ = self.batches.logical_batch(t)
+        summed, stats = self.step_fn.zeros(self.state.params), []
+        for batch, mask in micro_batches:
+            summed, s = self._accumulate(summed, self.state.params, batch, mask)
+            stats.append(s)
+        noise = standard_normal_like(self.state.params, seed=self.seed, step=t)
+        self.state = self._apply(self.state, summed, noise)
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        return {k: float(v) for k, v in summarize(ExampleStats.cat(stats)).items()}
+
+    def fit(self, max_steps: int | None = None) -> list[dict[str, float]]:
+        """Trains until the planned steps are done or the budget would be exceeded.
+
+        Args:
+            max_steps: stop after at most this many more steps (e.g. to
+                checkpoint and resume later); ``None`` runs to the end.
+
+        Returns the history: one dict per epoch with ``epoch``, ``steps``,
+        ``loss`` (mean over the epoch's examples; not private), ``epsilon``
+        and whatever ``eval_fn`` returned. The progress bar shows the
+        epsilon as of the last finished epoch (each evaluation of the PLD
+        accountant takes about a second).
+        """
+        stop_at = self._last_step_within_budget()
+        if max_steps is not None:
+            if not (isinstance(max_steps, int) and max_steps >= 0):
+                raise ValueError(f"max_steps must be an int >= 0, got max_steps={max_steps!r}")
+            stop_at = min(stop_at, self.steps_done + max_steps)
+        bar = tqdm(total=stop_at, initial=self.steps_done, disable=not self.progress, unit="step")
+        loss_sum = examples = seen = 0.0
+        started = time.perf_counter()
+        epsilon = self.history[-1]["epsilon"] if self.history else 0.0
+        while self.steps_done < stop_at:
+            metrics = self.train_step()
+            loss_sum += metrics["loss"] * metrics["batch_size"]
+            examples += metrics["batch_size"]
+            seen += metrics["batch_size"]
+            done = self.steps_done
+            if done % self.steps_per_epoch == 0 or done == self.total_steps:
+                epsilon = self.epsilon()
+                record = {
+                    "epoch": done / self.steps_per_epoch,
+                    "steps": done,
+                    "loss": loss_sum / max(examples, 1.0),
+                    "epsilon": epsilon,
+                }
+                if self.eval_fn is not None:
+                    record.update(self.eval_fn(self.state.params))
+                self.history.append(record)
+                loss_sum = examples = 0.0
+                if self.checkpoint_path is not None:
+                    self.save(self.checkpoint_path)
+            elif self.checkpoint_every and done % self.checkpoint_every == 0:
+                self.save(self.checkpoint_path)
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{metrics['loss']:.4f}",
+                eps=f"{epsilon:.3g}",
+                ex_s=f"{seen / max(time.perf_counter() - started, 1e-9):.0f}",
+            )
+        bar.close()
+        return self.history
+
+    def _last_step_within_budget(self) -> int:
+        """The largest step count <= total_steps whose epsilon fits the budget."""
+        if self.epsilon_budget is None:
+            return self.total_steps
+        low, high = self.steps_done, self.total_steps  # epsilon grows with steps
+
+        def within(steps: int) -> bool:
+            trial = Accountant(method=self.accountant.method)
+            trial.load_state_dict(self.accountant.state_dict())
+            if steps > trial.steps:
+                trial.step(self.noise_multiplier, self.sample_rate, steps - trial.steps)
+            return trial.epsilon(self.delta) <= self.epsilon_budget
+
+        if within(high):
+            return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if within(middle) else (low, middle)
+        return low
+
+    # -- checkpoints ---------------------------------------------------------
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "num_examples": self.num_examples,
+            "sample_rate": self.sample_rate,
+            "noise_multiplier": self.noise_multiplier,
+            "clip_norm": self.step_fn.clip_norm,
+            "clipping": self.step_fn.clipping,
+            "seed": self.seed,
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes a checkpoint atomically: a temporary file, then a rename.
+
+        It holds the parameters, the optimizer state, the accountant's
+        history, the step count (which fixes the sampler and noise streams),
+        the run's privacy settings and the history.
+        """
+        path = os.fspath(path)
+        checkpoint = {
+            "version": CHECKPOINT_VERSION,
+            "config": self._config(),
+            "state": optree.tree_leaves(self.state),
+            "accountant": self.accountant.state_dict(),
+            "history": self.history,
+        }
+        directory = os.path.dirname(os.path.abspath(path))
+        handle, tmp = tempfile.mkstemp(dir=directory, prefix=".dpfunc-", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "wb") as f:
+                torch.save(checkpoint, f)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restores a checkpoint written by :meth:`save` of an identically set-up run.
+
+        Raises:
+            ValueError: the file is unreadable or corrupted, or it was written
+                by a run with other privacy settings, data size or parameter
+                shapes. The trainer is left unchanged.
+        """
+        try:
+            checkpoint = torch.load(path, weights_only=True)
+        except Exception as error:  # torch raises many types for a bad file
+            raise ValueError(f"checkpoint {os.fspath(path)!r} is unreadable: {error}") from error
+        if not isinstance(checkpoint, dict) or checkpoint.get("version") != CHECKPOINT_VERSION:
+            raise ValueError(f"{os.fspath(path)!r} is not a dpfunc checkpoint (version 1)")
+        saved, ours = checkpoint["config"], self._config()
+        for key, value in ours.items():
+            if saved.get(key) != value:
+                raise ValueError(
+                    f"checkpoint {os.fspath(path)!r} was written with {key}={saved.get(key)!r}, "
+                    f"but this trainer has {key}={value!r}"
+                )
+        spec = optree.tree_structure(self.state)
+        leaves, current = checkpoint["state"], optree.tree_leaves(self.state)
+        if len(leaves) != len(current) or any(
+            not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype
+            for a, b in zip(leaves, current)
+        ):
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} holds a state whose tensors do not match "
+                "this trainer's parameters and optimizer"
+            )
+        accountant = Accountant(method=self.accountant.method)
+        accountant.load_state_dict(checkpoint["accountant"])
+        state = optree.tree_unflatten(spec, leaves)
+        if int(state.step) != accountant.steps:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} is inconsistent: {int(state.step)} optimizer "
+                f"steps but {accountant.steps} accounted steps"
+            )
+        self.state, self.accountant = state, accountant
+        self.history = list(checkpoint["history"])
+
+
+__all__ = ["Trainer"]

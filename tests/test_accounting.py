@@ -1,0 +1,312 @@
+"""Tests for dpfunc.accounting: published numbers, calibration, histories, checkpoints.
+
+Expected epsilons and noise multipliers come from ``shared/reference/accounting.json``
+(computed independently with dp-accounting 0.6.0, PLD grid 1e-4), or from
+``dp_accounting`` called directly in the test, never from dpfunc itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import dp_accounting
+import pytest
+import torch
+
+from dpfunc.accounting import Accountant, calibrate_noise_multiplier, epsilon
+
+REFERENCE_PATH = Path(__file__).resolve().parents[2] / "shared" / "reference" / "accounting.json"
+REFERENCE = json.loads(REFERENCE_PATH.read_text()) if REFERENCE_PATH.is_file() else None
+MISSING = pytest.mark.skip(reason=f"reference numbers not found at {REFERENCE_PATH}")
+
+
+def reference_cases(section: str) -> list:
+    if REFERENCE is None:
+        return [pytest.param(None, marks=MISSING)]
+    return [pytest.param(case, id=f"{section}{i}") for i, case in enumerate(REFERENCE[section])]
+
+
+def library_epsilon(runs, delta, method):
+    """Epsilon of ``[(noise_multiplier, sample_rate, steps), ...]`` straight from dp_accounting."""
+    event = dp_accounting.ComposedDpEvent(
+        [
+            dp_accounting.SelfComposedDpEvent(
+                dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(s)), t
+            )
+            for s, q, t in runs
+        ]
+    )
+    if method == "pld":
+        accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    else:
+        accountant = dp_accounting.rdp.RdpAccountant()
+    return float(accountant.compose(event).get_epsilon(delta))
+
+
+# --------------------------------------------------------------------------
+# epsilon against published numbers
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+@pytest.mark.parametrize("case", reference_cases("epsilon"))
+def test_epsilon_matches_reference(case, method):
+    got = epsilon(
+        case["noise_multiplier"], case["sample_rate"], case["steps"], case["delta"], method=method
+    )
+    assert isinstance(got, float)
+    assert got == pytest.approx(case[method], rel=1e-9)
+
+
+@pytest.mark.parametrize("case", reference_cases("epsilon"))
+def test_pld_is_default_and_tighter_than_rdp(case):
+    args = (case["noise_multiplier"], case["sample_rate"], case["steps"], case["delta"])
+    assert epsilon(*args) == pytest.approx(case["pld"], rel=1e-9)
+    assert case["pld"] < case["rdp"]
+
+
+def test_zero_steps_cost_nothing():
+    assert epsilon(1.0, 0.01, 0, 1e-5) == 0.0
+    assert epsilon(0.0, 0.01, 0, 1e-5, method="rdp") == 0.0
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+def test_no_noise_means_infinite_epsilon(method):
+    assert epsilon(0.0, 0.01, 1, 1e-5, method=method) == math.inf
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+def test_full_batch_equals_composed_gaussian(method):
+    # sample_rate = 1: no amplification; 4 steps at sigma = 2 compose to one
+    # Gaussian mechanism with sigma = 1 (for PLD up to the discretisation).
+    got = epsilon(2.0, 1.0, 4, 1e-5, method=method)
+    exact = dp_accounting.get_epsilon_gaussian(1.0, 1e-5)
+    assert got >= exact * (1 - 1e-6)
+    assert got == pytest.approx(exact, rel=1e-3 if method == "pld" else 0.2)
+
+
+# --------------------------------------------------------------------------
+# calibration
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+@pytest.mark.parametrize("case", reference_cases("calibrate"))
+def test_calibration_matches_reference(case, method):
+    target, delta = case["target_epsilon"], case["delta"]
+    rate, steps = case["sample_rate"], case["steps"]
+    smallest = case[f"{method}_sigma"]
+    sigma = calibrate_noise_multiplier(target, delta, rate, steps, method=method)
+    assert isinstance(sigma, float)
+    assert epsilon(sigma, rate, steps, delta, method=method) <= target
+    assert smallest * (1 - 1e-3) <= sigma <= smallest * 1.01
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+@pytest.mark.parametrize(
+    ("target_epsilon", "delta", "sample_rate", "steps"),
+    [(1.0, 1e-5, 0.01, 1000), (0.5, 1e-6, 1.0, 10), (4.0, 1e-5, 0.2, 20)],
+)
+def test_calibration_is_tight_and_never_above_target(
+    target_epsilon, delta, sample_rate, steps, method
+):
+    sigma = calibrate_noise_multiplier(target_epsilon, delta, sample_rate, steps, method=method)
+    assert epsilon(sigma, sample_rate, steps, delta, method=method) <= target_epsilon
+    assert epsilon(sigma * 0.99, sample_rate, steps, delta, method=method) > target_epsilon
+
+
+def test_calibration_of_zero_steps_is_zero():
+    assert calibrate_noise_multiplier(1.0, 1e-5, 0.01, 0) == 0.0
+
+
+# --------------------------------------------------------------------------
+# Accountant
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+def test_noise_schedule_composes_like_dp_accounting(method):
+    delta = 1e-5
+    phase1, phase2 = (2.0, 0.02, 300), (1.0, 0.01, 200)
+    acc = Accountant(method=method)
+    for _ in range(phase1[2]):
+        acc.step(phase1[0], phase1[1])
+    acc.step(phase2[0], phase2[1], steps=phase2[2])
+    assert acc.history == [phase1, phase2]
+    assert acc.steps == 500
+    got = acc.epsilon(delta)
+    assert got == pytest.approx(library_epsilon([phase1, phase2], delta, method), rel=1e-9)
+    # Both phases count: more than either one alone.
+    assert got > library_epsilon([phase1], delta, method) * 1.01
+    assert got > library_epsilon([phase2], delta, method) * 1.01
+
+
+def test_consecutive_equal_steps_are_merged():
+    acc = Accountant()
+    for _ in range(100_000):
+        acc.step(1.0, 0.001)
+    assert acc.history == [(1.0, 0.001, 100_000)]
+    assert acc.steps == 100_000
+    assert acc.epsilon(1e-5) == pytest.approx(epsilon(1.0, 0.001, 100_000, 1e-5), rel=1e-12)
+
+
+def test_only_consecutive_equal_steps_are_merged():
+    acc = Accountant(method="rdp")
+    for sigma, rate in [(1.0, 0.1), (1.0, 0.1), (1.0, 0.2), (2.0, 0.2), (1.0, 0.1)]:
+        acc.step(sigma, rate)
+    acc.step(1.0, 0.1, steps=0)  # records nothing
+    assert acc.history == [(1.0, 0.1, 2), (1.0, 0.2, 1), (2.0, 0.2, 1), (1.0, 0.1, 1)]
+    assert acc.steps == 5
+
+
+def test_empty_history_has_zero_epsilon():
+    assert Accountant().epsilon(1e-5) == 0.0
+    assert Accountant().steps == 0
+    assert Accountant().history == []
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+def test_a_noiseless_step_makes_epsilon_infinite(method):
+    acc = Accountant(method=method)
+    acc.step(1.0, 0.01, steps=10)
+    assert math.isfinite(acc.epsilon(1e-5))
+    acc.step(0.0, 0.01)
+    acc.step(5.0, 0.01, steps=10)
+    assert acc.epsilon(1e-5) == math.inf
+
+
+def test_epsilon_follows_new_steps_and_delta():
+    acc = Accountant(method="rdp")
+    acc.step(1.0, 0.01, steps=100)
+    first = acc.epsilon(1e-5)
+    assert first == pytest.approx(epsilon(1.0, 0.01, 100, 1e-5, method="rdp"), rel=1e-12)
+    assert acc.epsilon(1e-3) < first
+    acc.step(1.0, 0.01, steps=100)
+    assert acc.epsilon(1e-5) == pytest.approx(epsilon(1.0, 0.01, 200, 1e-5, "rdp"), rel=1e-12)
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+def test_state_dict_round_trip_through_torch_checkpoint(tmp_path, method):
+    acc = Accountant(method=method)
+    acc.step(1.5, 0.04, steps=100)
+    acc.step(1.0, 0.04, steps=50)
+    path = tmp_path / "ckpt.pt"
+    torch.save({"accountant": acc.state_dict()}, path)
+    state = torch.load(path, weights_only=True)["accountant"]
+    assert state == {"method": method, "history": [[1.5, 0.04, 100], [1.0, 0.04, 50]]}
+
+    restored = Accountant(method="rdp" if method == "pld" else "pld")
+    restored.step(3.0, 0.5)  # replaced by the load
+    restored.load_state_dict(state)
+    assert restored.method == method
+    assert restored.history == acc.history
+    assert restored.steps == 150
+    assert restored.epsilon(1e-5) == acc.epsilon(1e-5)
+
+
+GOOD_HISTORY = [[1.0, 0.1, 3]]
+
+
+@pytest.mark.parametrize(
+    ("state", "needle"),
+    [
+        ([("method", "pld")], "state_dict"),
+        ({"history": GOOD_HISTORY}, "keys"),
+        ({"method": "pld"}, "keys"),
+        ({"method": "pld", "history": GOOD_HISTORY, "extra": 1}, "keys"),
+        ({"method": "gdp", "history": GOOD_HISTORY}, "'gdp'"),
+        ({"method": "pld", "history": "1.0,0.1,3"}, "history"),
+        ({"method": "pld", "history": [[1.0, 0.1]]}, "[0]"),
+        ({"method": "pld", "history": [1.0, 0.1, 3]}, "[0]"),
+        ({"method": "pld", "history": [[1.0, 0.1, 3], [-1.0, 0.1, 3]]}, "[1][0]"),
+        ({"method": "pld", "history": [[1.0, 0.0, 3]]}, "[0][1]"),
+        ({"method": "pld", "history": [[1.0, 1.5, 3]]}, "[0][1]"),
+        ({"method": "pld", "history": [[1.0, 0.1, 3.0]]}, "[0][2]"),
+        ({"method": "pld", "history": [[1.0, 0.1, -3]]}, "[0][2]"),
+        ({"method": "pld", "history": [["1.0", 0.1, 3]]}, "[0][0]"),
+        ({"method": "pld", "history": [[math.nan, 0.1, 3]]}, "[0][0]"),
+    ],
+)
+def test_malformed_state_dict_is_rejected_and_changes_nothing(state, needle):
+    acc = Accountant(method="rdp")
+    acc.step(2.0, 0.5, steps=7)
+    with pytest.raises(ValueError) as info:
+        acc.load_state_dict(state)
+    assert needle in str(info.value)
+    assert acc.method == "rdp"
+    assert acc.history == [(2.0, 0.5, 7)]
+
+
+# --------------------------------------------------------------------------
+# Boundary validation
+# --------------------------------------------------------------------------
+
+EPS = dict(noise_multiplier=1.0, sample_rate=0.01, steps=10, delta=1e-5)
+CAL = dict(target_epsilon=1.0, delta=1e-5, sample_rate=0.01, steps=10)
+
+
+def _step(**kwargs):
+    Accountant().step(**{"noise_multiplier": 1.0, "sample_rate": 0.01, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("call", "name", "value"),
+    [
+        (lambda v: epsilon(**{**EPS, "sample_rate": v}), "sample_rate", 0.0),
+        (lambda v: epsilon(**{**EPS, "sample_rate": v}), "sample_rate", 1.5),
+        (lambda v: epsilon(**{**EPS, "sample_rate": v}), "sample_rate", -0.1),
+        (lambda v: epsilon(**{**EPS, "delta": v}), "delta", 0.0),
+        (lambda v: epsilon(**{**EPS, "delta": v}), "delta", 1.0),
+        (lambda v: epsilon(**{**EPS, "delta": v}), "delta", math.nan),
+        (lambda v: epsilon(**{**EPS, "noise_multiplier": v}), "noise_multiplier", -1.0),
+        (lambda v: epsilon(**{**EPS, "noise_multiplier": v}), "noise_multiplier", math.inf),
+        (lambda v: epsilon(**{**EPS, "noise_multiplier": v}), "noise_multiplier", "1.0"),
+        (lambda v: epsilon(**{**EPS, "steps": v}), "steps", -1),
+        (lambda v: epsilon(**{**EPS, "steps": v}), "steps", 10.5),
+        (lambda v: epsilon(**{**EPS, "steps": v}), "steps", 10.0),
+        (lambda v: epsilon(**{**EPS, "steps": v}), "steps", True),
+        (lambda v: epsilon(**EPS, method=v), "method", "prv"),
+        (
+            lambda v: calibrate_noise_multiplier(**{**CAL, "target_epsilon": v}),
+            "target_epsilon",
+            0.0,
+        ),
+        (
+            lambda v: calibrate_noise_multiplier(**{**CAL, "target_epsilon": v}),
+            "target_epsilon",
+            -1.0,
+        ),
+        (
+            lambda v: calibrate_noise_multiplier(**{**CAL, "target_epsilon": v}),
+            "target_epsilon",
+            math.inf,
+        ),
+        (lambda v: calibrate_noise_multiplier(**{**CAL, "delta": v}), "delta", 2.0),
+        (lambda v: calibrate_noise_multiplier(**{**CAL, "sample_rate": v}), "sample_rate", 0.0),
+        (lambda v: calibrate_noise_multiplier(**{**CAL, "steps": v}), "steps", -5),
+        (lambda v: calibrate_noise_multiplier(**CAL, method=v), "method", "RDP"),
+        (lambda v: Accountant(method=v), "method", "moments"),
+        (lambda v: _step(noise_multiplier=v), "noise_multiplier", -0.5),
+        (lambda v: _step(sample_rate=v), "sample_rate", 0.0),
+        (lambda v: _step(steps=v), "steps", -1),
+        (lambda v: _step(steps=v), "steps", 1.5),
+        (lambda v: Accountant().epsilon(delta=v), "delta", 0.0),
+        (lambda v: Accountant().epsilon(delta=v), "delta", 1.0),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_argument(call, name, value):
+    with pytest.raises(ValueError) as info:
+        call(value)
+    message = str(info.value)
+    assert f"{name}={value!r}" in message
+    if name == "method":
+        assert "'pld'" in message and "'rdp'" in message
+
+
+def test_calibration_outside_search_range_raises():
+    # 10**9 full-batch steps at sigma are one Gaussian mechanism at sigma / 31623:
+    # even sigma = 1e6 (the top of the search range) gives epsilon ~ 0.15 > 1e-5.
+    with pytest.raises(ValueError, match="target_epsilon=1e-05"):
+        calibrate_noise_multiplier(1e-5, 1e-5, 1.0, 10**9, method="rdp")

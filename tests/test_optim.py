@@ -1,0 +1,344 @@
+"""Optimizers against torch.optim step by step, composition, compilation, validation."""
+
+import math
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
+
+from dpfunc.optim import (
+    AdamState,
+    EmptyState,
+    GradientTransformation,
+    SgdState,
+    adam,
+    adamw,
+    apply_updates,
+    chain,
+    scale,
+    sgd,
+)
+from dpfunc.tree import tree_leaves, tree_map
+
+SHAPES = {"layer.weight": (4, 3), "layer.bias": (4,), "temperature": (), "conv": (2, 1, 3, 3)}
+
+
+def make_params(dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(s, generator=g, dtype=dtype) for k, s in SHAPES.items()}
+
+
+def make_grads(params, step, seed=100):
+    g = torch.Generator().manual_seed(seed + step)
+    return {k: torch.randn(p.shape, generator=g, dtype=p.dtype) for k, p in params.items()}
+
+
+def clone(tree):
+    return tree_map(torch.clone, tree)
+
+
+def assert_trees_equal(a, b):
+    for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+ORACLES = [
+    ("sgd plain", lambda: sgd(lr=0.1), lambda p: torch.optim.SGD(p, lr=0.1)),
+    (
+        "sgd momentum",
+        lambda: sgd(lr=0.1, momentum=0.9),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    ),
+    (
+        "sgd dampening",
+        lambda: sgd(lr=0.1, momentum=0.9, dampening=0.3),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.3),
+    ),
+    (
+        "sgd nesterov",
+        lambda: sgd(lr=0.1, momentum=0.8, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.8, nesterov=True),
+    ),
+    (
+        "sgd weight_decay",
+        lambda: sgd(lr=0.1, momentum=0.5, weight_decay=0.05),
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.5, weight_decay=0.05),
+    ),
+    (
+        "sgd weight_decay no momentum",
+        lambda: sgd(lr=0.1, weight_decay=0.05),
+        lambda p: torch.optim.SGD(p, lr=0.1, weight_decay=0.05),
+    ),
+    ("adam", lambda: adam(lr=0.01), lambda p: torch.optim.Adam(p, lr=0.01)),
+    (
+        "adam betas eps",
+        lambda: adam(lr=0.05, betas=(0.5, 0.99), eps=1e-3),
+        lambda p: torch.optim.Adam(p, lr=0.05, betas=(0.5, 0.99), eps=1e-3),
+    ),
+    (
+        "adam weight_decay",
+        lambda: adam(lr=0.01, weight_decay=0.1),
+        lambda p: torch.optim.Adam(p, lr=0.01, weight_decay=0.1),
+    ),
+    ("adamw", lambda: adamw(lr=0.01), lambda p: torch.optim.AdamW(p, lr=0.01)),
+    (
+        "adamw large decay",
+        lambda: adamw(lr=0.05, betas=(0.8, 0.9), weight_decay=0.5),
+        lambda p: torch.optim.AdamW(p, lr=0.05, betas=(0.8, 0.9), weight_decay=0.5),
+    ),
+]
+
+
+@pytest.mark.parametrize("ours, theirs", [o[1:] for o in ORACLES], ids=[o[0] for o in ORACLES])
+def test_matches_torch_optim_step_by_step_in_float64(ours, theirs):
+    params = make_params()
+    reference = {k: torch.nn.Parameter(p.clone()) for k, p in params.items()}
+    torch_opt = theirs(list(reference.values()))
+    opt = ours()
+    state = opt.init(params)
+    for step in range(6):
+        grads = make_grads(params, step)
+        updates, state = opt.update(grads, state, params)
+        params = apply_updates(params, updates)
+        for k, p in reference.items():
+            p.grad = grads[k].clone()
+        torch_opt.step()
+        for k, p in reference.items():
+            assert params[k].dtype == torch.float64
+            torch.testing.assert_close(params[k], p.detach(), rtol=1e-6, atol=1e-12)
+    for leaf in tree_leaves(state):
+        assert leaf.dtype in (torch.float64, torch.int64)
+    assert int(state.count) == 6
+
+
+def test_state_layouts():
+    params = make_params()
+    sgd_state = sgd(lr=0.1, momentum=0.9).init(params)
+    assert isinstance(sgd_state, SgdState)
+    assert sgd_state.count.shape == () and sgd_state.count.dtype == torch.int64
+    assert sgd_state.momentum.keys() == params.keys()
+    assert all(torch.all(b == 0) for b in sgd_state.momentum.values())
+    assert sgd(lr=0.1).init(params).momentum is None
+
+    adam_state = adam().init(params)
+    assert isinstance(adam_state, AdamState)
+    assert adam_state.count.shape == () and adam_state.count.dtype == torch.int64
+    for k, p in params.items():
+        assert adam_state.exp_avg[k].shape == p.shape
+        assert adam_state.exp_avg_sq[k].dtype == p.dtype
+
+
+def test_first_momentum_step_takes_the_gradient_undamped():
+    params = make_params()
+    grads = make_grads(params, 0)
+    opt = sgd(lr=0.5, momentum=0.9, dampening=0.6)
+    updates, state = opt.update(grads, opt.init(params), params)
+    for k in params:
+        torch.testing.assert_close(state.momentum[k], grads[k], rtol=0, atol=0)
+        torch.testing.assert_close(updates[k], -0.5 * grads[k], rtol=0, atol=0)
+
+
+def test_scale_multiplies_and_is_stateless():
+    params = make_params()
+    grads = make_grads(params, 0)
+    opt = scale(-3.0)
+    state = opt.init(params)
+    assert state == EmptyState()
+    updates, new_state = opt.update(grads, state, params)
+    assert new_state == EmptyState()
+    for k in params:
+        torch.testing.assert_close(updates[k], -3.0 * grads[k], rtol=0, atol=0)
+
+
+def test_chain_of_scale_and_sgd_is_sgd_on_the_scaled_gradient():
+    params = make_params()
+    chained = chain(scale(2.0), sgd(lr=0.1, momentum=0.9, dampening=0.2))
+    plain = sgd(lr=0.1, momentum=0.9, dampening=0.2)
+    chained_state, plain_state = chained.init(params), plain.init(params)
+    assert isinstance(chained_state, tuple) and len(chained_state) == 2
+    assert chained_state[0] == EmptyState() and isinstance(chained_state[1], SgdState)
+    p_chain, p_plain = params, params
+    for step in range(4):
+        grads = make_grads(params, step)
+        u, chained_state = chained.update(grads, chained_state, p_chain)
+        p_chain = apply_updates(p_chain, u)
+        doubled = tree_map(lambda g: 2.0 * g, grads)
+        v, plain_state = plain.update(doubled, plain_state, p_plain)
+        p_plain = apply_updates(p_plain, v)
+        for k in params:
+            torch.testing.assert_close(p_chain[k], p_plain[k], rtol=1e-12, atol=0)
+    assert int(chained_state[1].count) == 4
+
+
+def test_chain_applies_transforms_in_order():
+    params = make_params()
+    grads = make_grads(params, 0)
+    # adam is not linear in its input, so scaling before or after differs
+    before = chain(scale(10.0), adam(lr=0.1))
+    after = chain(adam(lr=0.1), scale(10.0))
+    u_before, _ = before.update(grads, before.init(params), params)
+    u_after, _ = after.update(grads, after.init(params), params)
+    u_adam, _ = adam(lr=0.1).update(grads, adam(lr=0.1).init(params), params)
+    for k in params:
+        torch.testing.assert_close(u_after[k], 10.0 * u_adam[k], rtol=1e-12, atol=0)
+        # Adam's first step is scale-invariant up to eps: it ignores the 10x in front
+        torch.testing.assert_close(u_before[k], u_adam[k], rtol=1e-6, atol=0)
+
+
+def test_empty_chain_is_identity():
+    params = make_params()
+    grads = make_grads(params, 0)
+    opt = chain()
+    state = opt.init(params)
+    assert state == ()
+    updates, state = opt.update(grads, state, params)
+    assert_trees_equal(updates, grads)
+
+
+@pytest.mark.parametrize("bad", [sgd, "sgd", (lambda p: p, lambda u, s, p: (u, s)), None])
+def test_chain_rejects_non_transforms(bad):
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        chain(scale(1.0), bad)
+
+
+def test_apply_updates_adds_and_returns_new_tensors():
+    params = make_params()
+    updates = make_grads(params, 0)
+    before = clone(params)
+    new = apply_updates(params, updates)
+    for k in params:
+        torch.testing.assert_close(new[k], before[k] + updates[k], rtol=0, atol=0)
+        assert new[k] is not params[k]
+    assert_trees_equal(params, before)
+
+
+def test_apply_updates_rejects_mismatched_trees():
+    params = make_params()
+    updates = make_grads(params, 0)
+    del updates["temperature"]
+    with pytest.raises(ValueError, match="updates"):
+        apply_updates(params, updates)
+    with pytest.raises(ValueError, match="shape"):
+        apply_updates(params, {**make_grads(params, 0), "layer.bias": torch.zeros(5)})
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        sgd(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.1),
+        sgd(lr=0.1, momentum=0.9, nesterov=True),
+        adam(lr=0.1, weight_decay=0.1),
+        adamw(lr=0.1, weight_decay=0.1),
+        chain(scale(2.0), sgd(lr=0.1, weight_decay=0.1)),
+    ],
+    ids=["sgd", "nesterov", "adam", "adamw", "chain"],
+)
+def test_update_does_not_modify_inputs(opt):
+    params = make_params()
+    state = opt.init(params)
+    for step in range(2):  # the second step reads non-zero state
+        grads = make_grads(params, step)
+        copies = clone((grads, state, params))
+        updates, new_state = opt.update(grads, state, params)
+        assert_trees_equal((grads, state, params), copies)
+        params, state = apply_updates(params, updates), new_state
+
+
+@pytest.mark.parametrize(
+    "factory, kwargs, name",
+    [
+        (sgd, dict(lr=0.0), "lr"),
+        (sgd, dict(lr=-0.1), "lr"),
+        (sgd, dict(lr=math.nan), "lr"),
+        (sgd, dict(lr=math.inf), "lr"),
+        (sgd, dict(lr="0.1"), "lr"),
+        (sgd, dict(lr=0.1, momentum=1.0), "momentum"),
+        (sgd, dict(lr=0.1, momentum=-0.1), "momentum"),
+        (sgd, dict(lr=0.1, momentum=0.9, dampening=1.5), "dampening"),
+        (sgd, dict(lr=0.1, weight_decay=-1e-4), "weight_decay"),
+        (sgd, dict(lr=0.1, nesterov=True), "nesterov"),
+        (sgd, dict(lr=0.1, momentum=0.9, dampening=0.1, nesterov=True), "nesterov"),
+        (sgd, dict(lr=0.1, momentum=0.9, nesterov=1), "nesterov"),
+        (adam, dict(lr=0.0), "lr"),
+        (adam, dict(betas=(1.0, 0.999)), "betas"),
+        (adam, dict(betas=(0.9, -0.5)), "betas"),
+        (adam, dict(betas=(0.9,)), "betas"),
+        (adam, dict(eps=0.0), "eps"),
+        (adam, dict(weight_decay=-0.1), "weight_decay"),
+        (adamw, dict(lr=-1.0), "lr"),
+        (adamw, dict(betas=(0.9, 1.0)), "betas"),
+        (adamw, dict(eps=-1e-8), "eps"),
+        (adamw, dict(weight_decay=math.nan), "weight_decay"),
+        (scale, dict(factor=math.inf), "factor"),
+    ],
+)
+def test_invalid_hyperparameters_raise_value_error_naming_the_argument(factory, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        factory(**kwargs)
+
+
+@pytest.mark.parametrize("factory", [sgd, adam])
+def test_weight_decay_without_params_raises(factory):
+    params = make_params()
+    opt = factory(lr=0.1, weight_decay=0.1)
+    with pytest.raises(ValueError, match="params"):
+        opt.update(make_grads(params, 0), opt.init(params), None)
+
+
+def test_valid_edge_hyperparameters_are_accepted():
+    assert isinstance(sgd(lr=1e-12, momentum=0.0, dampening=1.0), GradientTransformation)
+    assert isinstance(adam(betas=(0.0, 0.0)), GradientTransformation)
+    assert isinstance(adamw(weight_decay=0.0), GradientTransformation)
+    assert isinstance(scale(0.0), GradientTransformation)
+
+
+def run_compiled_and_eager(opt, backend, steps=3):
+    """Runs ``steps`` updates eagerly and through ``torch.compile``; returns both final results."""
+
+    def train(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return apply_updates(params, updates), state
+
+    compiled = torch.compile(train, backend=backend, fullgraph=True)
+    params = make_params()
+    eager, comp = (params, opt.init(params)), (params, opt.init(params))
+    frames_after_first_step = None
+    for step in range(steps):
+        grads = make_grads(params, step)
+        eager = train(*eager, grads)
+        comp = compiled(*comp, grads)
+        if frames_after_first_step is None:
+            frames_after_first_step = backend.frame_count
+    return eager, comp, frames_after_first_step
+
+
+def assert_close_trees(a, b, rtol, atol):
+    for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize(
+    "opt",
+    [
+        chain(scale(0.5), sgd(lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.01)),
+        adamw(lr=0.05, weight_decay=0.1),
+    ],
+    ids=["chain-sgd", "adamw"],
+)
+def test_compiled_update_equals_eager_and_compiles_once(opt):
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    eager, comp, _ = run_compiled_and_eager(opt, counter)
+    assert_close_trees(comp, eager, rtol=1e-12, atol=1e-14)
+    assert counter.frame_count == 1
+
+
+def test_inductor_update_equals_eager_without_recompiling():
+    torch._dynamo.reset()
+    # inductor may restart its first analysis (counted as a frame), so count recompiles instead
+    counter = CompileCounterWithBackend("inductor")
+    opt = chain(scale(0.5), sgd(lr=0.1, momentum=0.9, dampening=0.2), adam(lr=0.05))
+    eager, comp, first = run_compiled_and_eager(opt, counter)
+    assert_close_trees(comp, eager, rtol=1e-12, atol=1e-14)
+    assert counter.frame_count == first

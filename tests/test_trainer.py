@@ -1,0 +1,212 @@
+"""The trainer: calibration, budget stop, empty steps, exact resume, checkpoints."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import dpfunc
+from dpfunc import accounting
+
+
+def problem(n=120, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    params, buffers = dpfunc.functionalize(model)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (xi.unsqueeze(0),)), yi[None])
+
+    return loss_fn, params, (x, y)
+
+
+def make(**overrides):
+    loss_fn, params, dataset = problem()
+    kwargs = dict(
+        optimizer=dpfunc.optim.sgd(lr=0.5, momentum=0.5),
+        epochs=2,
+        expected_batch_size=20,
+        clip_norm=1.0,
+        noise_multiplier=0.8,
+        delta=1e-4,
+        physical_batch_size=16,
+        progress=False,
+        accounting="rdp",  # PLD is checked once below; RDP is 10x faster
+    )
+    kwargs.update(overrides)
+    return dpfunc.Trainer(loss_fn, params, dataset, **kwargs)
+
+
+def test_fit_trains_accounts_every_step_and_records_history():
+    evaluated = []
+    trainer = make(
+        accounting="pld",
+        eval_fn=lambda p: evaluated.append(1) or {"norm": float(p["2.bias"].norm())},
+    )
+    history = trainer.fit()
+    assert trainer.steps_done == trainer.total_steps == 12
+    assert [h["steps"] for h in history] == [6, 12] and len(evaluated) == 2
+    expected = accounting.epsilon(0.8, 20 / 120, 12, 1e-4)
+    assert history[-1]["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert history[-1]["loss"] < history[0]["loss"] + 0.5 and "norm" in history[0]
+    assert int(trainer.state.step) == 12
+
+
+def test_target_epsilon_is_calibrated_and_never_exceeded():
+    trainer = make(noise_multiplier=None, target_epsilon=2.0)
+    expected_sigma = accounting.calibrate_noise_multiplier(2.0, 1e-4, 20 / 120, 12, method="rdp")
+    assert trainer.noise_multiplier == pytest.approx(expected_sigma)
+    trainer.fit()
+    assert trainer.epsilon() <= 2.0
+
+
+def test_budget_stops_before_a_step_would_exceed_it():
+    budget = accounting.epsilon(0.8, 20 / 120, 7, 1e-4, method="rdp") * 1.0001
+    trainer = make(epsilon_budget=budget)
+    trainer.fit()
+    assert trainer.steps_done == 7
+    assert trainer.epsilon() <= budget
+    assert accounting.epsilon(0.8, 20 / 120, 8, 1e-4, method="rdp") > budget
+
+
+def test_empty_poisson_batches_are_steps_with_noise_only():
+    trainer = make(expected_batch_size=0.01, epochs=0.01 / 120 * 5)  # five steps
+    sizes = [trainer.batches.counts_per_rank(t)[0] for t in range(trainer.total_steps)]
+    before = {k: v.clone() for k, v in trainer.params.items()}
+    trainer.fit()
+    assert trainer.total_steps == 5 and sum(sizes) == 0
+    assert trainer.accountant.steps == 5
+    assert any(not torch.equal(before[k], trainer.params[k]) for k in before)  # noise moved it
+
+
+def test_oversized_batches_use_several_micro_batches():
+    trainer = make(physical_batch_size=4, epochs=1)
+    counts = [trainer.batches.micro_batch_count(t) for t in range(trainer.total_steps)]
+    assert max(counts) > 1
+    trainer.fit()
+    assert trainer.steps_done == trainer.total_steps
+
+
+def test_resume_is_bit_identical(tmp_path):
+    whole = make(epochs=3)
+    whole.fit()
+
+    first = make(epochs=3)
+    first.fit(max_steps=7)
+    assert first.steps_done == 7
+    first.save(tmp_path / "run.pt")
+
+    resumed = make(epochs=3)
+    resumed.load(tmp_path / "run.pt")
+    assert resumed.steps_done == 7
+    resumed.fit()
+    for k in whole.params:
+        assert torch.equal(resumed.params[k], whole.params[k])
+    assert resumed.epsilon() == whole.epsilon()
+
+
+def test_checkpoint_written_during_fit_resumes(tmp_path):
+    path = tmp_path / "ck.pt"
+    trainer = make(checkpoint_path=path, checkpoint_every=5)
+    trainer.fit()
+    again = make()
+    again.load(path)
+    assert again.steps_done == trainer.steps_done
+    assert all(torch.equal(again.params[k], trainer.params[k]) for k in trainer.params)
+    assert again.history == trainer.history
+
+
+def test_bad_or_mismatched_checkpoints_raise_and_leave_state(tmp_path):
+    trainer = make()
+    trainer.fit()
+    path = tmp_path / "ck.pt"
+    trainer.save(path)
+    good_bytes = path.read_bytes()
+
+    other = make(noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="noise_multiplier"):
+        other.load(path)
+    assert other.steps_done == 0
+
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(good_bytes[: len(good_bytes) // 2])
+    fresh = make()
+    with pytest.raises(ValueError, match="unreadable"):
+        fresh.load(corrupt)
+    assert fresh.steps_done == 0
+
+    loss_fn, params, dataset = problem()
+    params = {**params, "extra": torch.zeros(3)}
+    wider = dpfunc.Trainer(
+        lambda p, ex: loss_fn({k: v for k, v in p.items() if k != "extra"}, ex) + p["extra"].sum(),
+        params,
+        dataset,
+        optimizer=dpfunc.optim.sgd(lr=0.5, momentum=0.5),
+        epochs=2,
+        expected_batch_size=20,
+        clip_norm=1.0,
+        noise_multiplier=0.8,
+        delta=1e-4,
+        physical_batch_size=16,
+        progress=False,
+    )
+    with pytest.raises(ValueError, match="do not match"):
+        wider.load(path)
+    assert path.read_bytes() == good_bytes  # a failed load never touches the file
+
+
+def test_save_replaces_atomically(tmp_path, monkeypatch):
+    trainer = make()
+    path = tmp_path / "ck.pt"
+    trainer.save(path)
+    good = path.read_bytes()
+
+    def broken_save(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError):
+        trainer.save(path)
+    assert path.read_bytes() == good
+    assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+
+
+def test_default_delta_is_below_one_over_n_and_large_delta_warns():
+    trainer = make(delta=None)
+    assert trainer.delta < 1 / 120
+    with pytest.warns(UserWarning, match="delta"):
+        make(delta=0.01)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(noise_multiplier=None), "exactly one of noise_multiplier and target_epsilon"),
+        (dict(target_epsilon=1.0), "exactly one of noise_multiplier and target_epsilon"),
+        (dict(epochs=0), "epochs=0"),
+        (dict(expected_batch_size=500), "expected_batch_size=500"),
+        (dict(delta=1.5), "delta=1.5"),
+        (dict(physical_batch_size=0), "physical_batch_size=0"),
+        (dict(epsilon_budget=-1.0), "epsilon_budget=-1.0"),
+        (dict(checkpoint_every=3), "checkpoint_path"),
+    ],
+)
+def test_bad_arguments_raise(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        make(**overrides)
+
+
+def test_progress_bar_shows_loss_epsilon_and_throughput(capsys):
+    trainer = make(progress=True, epochs=1)
+    trainer.fit()
+    err = capsys.readouterr().err
+    assert "eps=" in err and "loss=" in err and "ex_s=" in err
+    assert math.isfinite(trainer.epsilon())
