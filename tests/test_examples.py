@@ -1,0 +1,44 @@
+"""Every example runs top to bottom in its --smoke mode."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SINGLE_PROCESS = sorted(
+    p.name for p in EXAMPLES.glob("*.py") if p.name not in {"ddp_digits.py", "tune_digits.py"}
+)
+
+
+def run(command, tmp_path):
+    env = {**os.environ, "MPLBACKEND": "Agg", "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SINGLE_PROCESS)
+def test_example_smoke(name, tmp_path):
+    run([sys.executable, str(EXAMPLES / name), "--smoke", "--out", str(tmp_path)], tmp_path)
+
+
+@pytest.mark.slow
+def test_distributed_example_smoke(tmp_path):
+    script = EXAMPLES / "ddp_digits.py"
+    if not script.exists():
+        pytest.skip("examples/ddp_digits.py is not present")
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+    ]
+    run([*torchrun, str(script), "--smoke"], tmp_path)
