@@ -10,6 +10,12 @@ A logical (Poisson) batch may arrive as several fixed-shape micro-batches:
 noise exactly once and updates the parameters. ``step(state, batch, mask,
 noise)`` does both for a logical batch that fits one micro-batch. All three
 are pure and compile with ``torch.compile(fullgraph=True)``.
+
+Two ways to the clipped sum (``method``): ``"vmap"`` materialises every
+example's gradient; ``"ghost"`` (with ``model=``) gets the per-example norms and
+the clipped sum from each covered layer's inputs and output gradients without
+materialising per-example gradients (see :mod:`dpfunc.ghost`), falling back to
+vmap for the parameters it cannot handle. Both give the same sum.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import optim
 from .clipping import (
@@ -27,11 +33,13 @@ from .clipping import (
     groups_by_module,
     per_sample_norms,
 )
+from .ghost import GhostClipper, ghost_clip
 from .noise import _check_expected_batch_size, add_noise, average
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_zeros_like
 
 CLIPPING_MODES = ("flat", "per_layer", "normalized")
+METHODS = ("auto", "vmap", "ghost")
 
 
 class TrainState(NamedTuple):
@@ -97,6 +105,8 @@ class TrainStep:
         expected_batch_size: float,
         clipping: str = "flat",
         chunk_size: int | None = None,
+        model: nn.Module | None = None,
+        method: str = "auto",
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -142,6 +152,15 @@ class TrainStep:
             raise ValueError(
                 f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}"
             )
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got method={method!r}")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+        if method == "ghost" and model is None:
+            raise ValueError(
+                "method='ghost' needs model=, the nn.Module that loss_fn calls through "
+                "torch.func.functional_call; got model=None"
+            )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.clip_norm = float(clip_norm)
@@ -149,6 +168,9 @@ class TrainStep:
         self.expected_batch_size = expected_batch_size
         self.clipping = clipping
         self.chunk_size = chunk_size
+        self.method = method
+        use_ghost = model is not None and method != "vmap"
+        self._ghost = GhostClipper(model, loss_fn, method) if use_ghost else None
         # sensitivity of the clipped sum is clip_norm in every mode
         self.noise_std = 0.0 if noise_multiplier == 0 else self.noise_multiplier * self.clip_norm
 
@@ -171,10 +193,25 @@ class TrainStep:
             raise ValueError(
                 f"mask must have shape ({size},) to match the batch, got {tuple(mask.shape)}"
             )
+        mask = mask.to(torch.bool)
+        if self._ghost is not None and size > 0:
+            plan = self._ghost.plan(params, batch)
+            if plan.modules:
+                summed, losses, total, scaled = ghost_clip(
+                    self.loss_fn,
+                    self._ghost.hooks,
+                    plan,
+                    params,
+                    batch,
+                    mask,
+                    clipping=self.clipping,
+                    clip_norm=self.clip_norm,
+                    chunk_size=self.chunk_size,
+                )
+                return summed, ExampleStats(losses.detach(), total, scaled, mask)
         grads, losses = per_sample_grads_and_losses(
             self.loss_fn, params, batch, chunk_size=self.chunk_size
         )
-        mask = mask.to(torch.bool)
         if self.clipping == "per_layer":
             groups = groups_by_module(grads)
             group_norms = per_sample_norms(grads, groups)
@@ -223,6 +260,8 @@ def make_train_step(
     expected_batch_size: float,
     clipping: str = "flat",
     chunk_size: int | None = None,
+    model: nn.Module | None = None,
+    method: str = "auto",
 ) -> TrainStep:
     """Builds the DP-SGD step (Abadi et al. 2016).
 
@@ -242,6 +281,23 @@ def make_train_step(
             Bu et al. 2022, factor ``C / (norm + 0.01)``). Each bounds an
             example's whole contribution by ``C``.
         chunk_size: passed to :func:`per_sample_grads` to bound memory.
+        model: the ``nn.Module`` that ``loss_fn`` calls through
+            ``torch.func.functional_call``; enables ghost clipping. dpfunc
+            registers forward hooks on its covered submodules (inert outside
+            a ghost pass).
+        method: ``"vmap"`` (every example's gradient is materialised),
+            ``"ghost"`` (ghost clipping with book-keeping, Li et al. 2022,
+            Bu et al. 2023: per-example norms and the clipped sum from each
+            covered layer's input and output gradient; needs ``model``) or
+            ``"auto"`` (ghost when ``model`` is given, else vmap). Ghost
+            covers ``Linear``, ``Embedding``, ``Conv1d``/``Conv2d``,
+            ``LayerNorm`` and ``GroupNorm``; every other parameter, and any
+            covered module it cannot vouch for (called twice, inside a
+            nested ``torch.func`` transform, tied or used outside its call),
+            gets per-example gradients from vmap in the same pass, or the
+            whole step falls back to vmap; a ``UserWarning`` names the
+            reasons once per step. All three clipping modes are supported
+            and the result equals the vmap path's.
 
     Returns:
         A :class:`TrainStep` ``step`` with ``step.init(params) -> state`` and
@@ -255,10 +311,12 @@ def make_train_step(
 
     Raises:
         ValueError: ``clip_norm <= 0``, ``noise_multiplier < 0``,
-            ``expected_batch_size <= 0``, an unknown ``clipping``, or
+            ``expected_batch_size <= 0``, an unknown ``clipping`` or
+            ``method``, ``method="ghost"`` without ``model``, or
             ``clip_norm=inf`` with noise; at call time, a batch, mask or
             noise tree that does not match, or a non-scalar loss.
-        TypeError: ``optimizer`` is not an (init, update) pair.
+        TypeError: ``optimizer`` is not an (init, update) pair, or ``model``
+            is not an ``nn.Module``.
     """
     return TrainStep(
         loss_fn,
@@ -268,4 +326,6 @@ def make_train_step(
         expected_batch_size=expected_batch_size,
         clipping=clipping,
         chunk_size=chunk_size,
+        model=model,
+        method=method,
     )

@@ -1,0 +1,850 @@
+"""Ghost clipping: per-example norms and the clipped sum without per-example gradients.
+
+The vmap path materialises every example's gradient, ``B x P`` numbers. For a
+layer whose weight gradient is a product of its input and its output gradient
+(``grad_i = G_i^T A_i`` for ``nn.Linear``), the norm of each example's gradient
+follows from ``A_i`` and ``G_i`` alone (Goodfellow 2015; Li et al. 2022,
+"ghost clipping"), and so does the clipped sum ``sum_i c_i grad_i = (c * G)^T A``
+(book-keeping, Bu et al. 2023, "Differentially private optimization on large
+model at small cost"): one backward pass gives every ``A_i`` and ``G_i`` and no
+second backward is needed.
+
+How it works with an opaque ``loss_fn(params, example)``:
+
+1. Forward hooks on the covered modules of ``model`` (inactive unless a ghost
+   pass is running) record each module's input ``A_i`` and return
+   ``output + probe``, where ``probe`` is a zero tensor shaped like one
+   example's output of that module.
+2. ``vmap(grad_and_value(f, argnums=(probes, other_params)))`` runs the loss with
+   the covered modules' parameters passed as constants: the gradient with
+   respect to a probe is the module's output gradient ``G_i``; the parameters of
+   every module without a ghost rule get ordinary per-example gradients from the
+   same pass.
+3. Per-example squared norms come from ``(A_i, G_i)`` (rank-one, Gram-matrix or
+   direct form, whichever is cheaper); the clip factors come from the total;
+   the clipped sum of a covered parameter is one contraction of ``c * G`` with
+   ``A``. The norm and the sum are computed from the same ``(A_i, G_i)``, so the
+   contribution whose norm is bounded is exactly the one that is summed.
+
+Covered: ``nn.Linear`` (any number of leading positions), ``nn.Embedding``
+(without ``max_norm``, ``scale_grad_by_freq`` or ``sparse``), ``nn.Conv1d`` and
+``nn.Conv2d`` (any stride, padding, padding mode, dilation and groups, via
+``unfold``), and the affine parameters of ``nn.LayerNorm`` and ``nn.GroupNorm``.
+
+Which modules can be ghosted is decided once per batch structure by an analysis
+pass (:func:`analyse`): the loss runs on one real example with hooks and a
+``TorchFunctionMode`` that records every use of every trainable parameter. A
+covered module is ghosted only if it is called exactly once per example, not
+inside a nested ``torch.func`` transform, with exactly its own registered
+parameters, which are used nowhere else (tied or shared weights, a weight used
+directly as ``MultiheadAttention.out_proj`` is, weight decay inside the loss all
+disqualify), and its input is not modified in place afterwards. Everything else
+falls back to per-example gradients from ``vmap``; the step says so once.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import grad_and_value, vmap
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves as _torch_tree_leaves
+
+from .clipping import clip_factors, groups_by_module
+from .tree import Params, PyTree
+
+__all__ = [
+    "GhostPlan",
+    "GhostClipper",
+    "analyse",
+    "covered_kind",
+    "ghost_clip",
+    "install_hooks",
+    "linear_weight_norms",
+    "remove_hooks",
+]
+
+_F64 = torch.float64
+
+
+# --- which modules have a ghost rule ------------------------------------------------
+
+
+def covered_kind(module: nn.Module) -> tuple[str | None, str]:
+    """``(kind, "")`` if ``module`` has a ghost rule, else ``(None, reason)``.
+
+    ``kind`` is one of ``"linear"``, ``"embedding"``, ``"conv"``,
+    ``"layer_norm"``, ``"group_norm"``. A subclass is covered only if it keeps
+    the base class's ``forward`` (``MultiheadAttention.out_proj`` does; it is
+    covered but never called, so it falls back).
+    """
+    parametrizations = getattr(module, "parametrizations", None)
+    if isinstance(parametrizations, nn.ModuleDict) and len(parametrizations):
+        return None, "has parametrizations"
+    cls = type(module)
+    if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward:
+        return "linear", ""
+    if isinstance(module, nn.Embedding) and cls.forward is nn.Embedding.forward:
+        if module.max_norm is not None:
+            return None, "Embedding with max_norm renormalises its weight in place"
+        if module.scale_grad_by_freq:
+            return None, "Embedding with scale_grad_by_freq has no ghost rule"
+        if module.sparse:
+            return None, "sparse Embedding has no ghost rule"
+        return "embedding", ""
+    for conv in (nn.Conv1d, nn.Conv2d):
+        if (
+            isinstance(module, conv)
+            and cls.forward is conv.forward
+            and cls._conv_forward is conv._conv_forward
+        ):
+            return "conv", ""
+    if isinstance(module, nn.LayerNorm) and cls.forward is nn.LayerNorm.forward:
+        return "layer_norm", ""
+    if isinstance(module, nn.GroupNorm) and cls.forward is nn.GroupNorm.forward:
+        return "group_norm", ""
+    return None, f"{cls.__name__} has no ghost rule"
+
+
+def _config(kind: str, module: nn.Module) -> tuple:
+    """The static facts a rule needs, as a hashable tuple."""
+    if kind == "linear":
+        return (module.in_features, module.out_features)
+    if kind == "embedding":
+        return (module.num_embeddings, module.embedding_dim, module.padding_idx)
+    if kind == "conv":
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        return (
+            len(module.kernel_size),
+            module.in_channels,
+            module.out_channels,
+            tuple(module.kernel_size),
+            tuple(module.stride),
+            tuple(module.dilation),
+            module.groups,
+            tuple(module._reversed_padding_repeated_twice),
+            mode,
+        )
+    if kind == "layer_norm":
+        return (tuple(module.normalized_shape), module.eps)
+    if kind == "group_norm":
+        return (module.num_groups, module.num_channels, module.eps)
+    raise AssertionError(kind)
+
+
+# --- hooks --------------------------------------------------------------------------
+
+
+class GhostHooks:
+    """The forward hooks dpfunc keeps on a model; inert while ``ctx`` is ``None``."""
+
+    def __init__(self, model: nn.Module):
+        self.ctx: Any = None
+        self.modules: dict[str, nn.Module] = {}
+        self.handles = []
+        for path, module in model.named_modules():
+            kind, _ = covered_kind(module)
+            if kind is None:
+                continue
+            self.modules[path] = module
+            self.handles.append(
+                module.register_forward_hook(
+                    _ForwardHook(self, path), prepend=True, with_kwargs=True
+                )
+            )
+
+
+class _ForwardHook:
+    def __init__(self, hooks: GhostHooks, path: str):
+        self.hooks = hooks
+        self.path = path
+
+    def __call__(self, module, args, kwargs, output):
+        ctx = self.hooks.ctx
+        if ctx is None:
+            return None
+        return ctx.after_forward(self.path, module, args, kwargs, output)
+
+
+def install_hooks(model: nn.Module) -> GhostHooks:
+    """Registers (once per model) the ghost hooks on every covered submodule."""
+    hooks = model.__dict__.get("_dpfunc_ghost_hooks")
+    if hooks is None:
+        hooks = GhostHooks(model)
+        model.__dict__["_dpfunc_ghost_hooks"] = hooks
+    return hooks
+
+
+def remove_hooks(model: nn.Module) -> None:
+    """Removes dpfunc's ghost hooks from ``model`` (e.g. before ``torch.jit.script``).
+
+    Steps built on ``model`` with ghost clipping must not be used afterwards.
+    """
+    hooks = model.__dict__.pop("_dpfunc_ghost_hooks", None)
+    if hooks is not None:
+        for handle in hooks.handles:
+            handle.remove()
+
+
+def _module_input(args: tuple, kwargs: dict) -> Any:
+    if args:
+        return args[0]
+    return kwargs.get("input")
+
+
+# --- the plan -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GhostModule:
+    path: str
+    kind: str
+    config: tuple
+    attrs: tuple[tuple[str, str], ...]  # (attribute, parameter name), trainable only
+    out_shape: tuple[int, ...]  # one example's output of the module
+    out_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class GhostPlan:
+    """Which modules the ghost path handles for one batch structure, and why not the rest."""
+
+    modules: tuple[GhostModule, ...]
+    reasons: tuple[str, ...]  # one line per module or parameter left to vmap
+    covered: tuple[str, ...] = ()  # the parameters the modules' rules handle
+
+
+class _Analysis:
+    """Hook context of the analysis pass: what each covered module saw."""
+
+    def __init__(self, params: Params):
+        self.names = {id(t): name for name, t in params.items()}
+        self.stack: list[str] = []
+        self.calls: Counter = Counter()
+        self.outputs: dict[str, Any] = {}
+        self.inputs: dict[str, Any] = {}
+        self.bound: dict[str, dict[str, str | None]] = {}  # path -> attr -> param name
+        self.nested: set[str] = set()
+        self.uses: dict[str, set] = defaultdict(set)  # param name -> paths (None: outside)
+        self.level = torch._C._functorch.maybe_current_level()  # transforms around the loss
+
+    def before_forward(self, path, module, args, kwargs):
+        self.stack.append(path)
+        self.calls[path] += 1
+        self.bound[path] = {
+            attr: self.names.get(id(getattr(module, attr, None)))
+            for attr in ("weight", "bias")
+            if isinstance(getattr(module, attr, None), Tensor)
+        }
+        if torch._C._functorch.maybe_current_level() != self.level:
+            self.nested.add(path)
+
+    def after_forward(self, path, module, args, kwargs, output):
+        if self.stack and self.stack[-1] == path:
+            self.stack.pop()
+        x = _module_input(args, kwargs)
+        self.inputs[path] = (x, x._version) if isinstance(x, Tensor) else (None, None)
+        self.outputs[path] = output
+        return None
+
+    def use(self, tensor: Tensor) -> None:
+        name = self.names.get(id(tensor))
+        if name is not None:
+            self.uses[name].add(self.stack[-1] if self.stack else None)
+
+
+class _UseTracker(TorchFunctionMode):
+    """Records every torch call that takes a trainable parameter and returns a tensor."""
+
+    def __init__(self, analysis: _Analysis):
+        super().__init__()
+        self.analysis = analysis
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if any(isinstance(o, Tensor) for o in _torch_tree_leaves(out)):
+            for a in _torch_tree_leaves((args, kwargs)):
+                if isinstance(a, Tensor):
+                    self.analysis.use(a)
+        return out
+
+
+def analyse(
+    model: nn.Module, hooks: GhostHooks, loss_fn, params: Params, example: PyTree
+) -> GhostPlan:
+    """Runs ``loss_fn(params, example)`` once, eagerly, and decides what to ghost.
+
+    A covered module (see :func:`covered_kind`) with trainable parameters is
+    ghosted only if, during this one call, it ran exactly once through its
+    ``__call__``, outside any nested ``torch.func`` transform, with exactly its
+    own registered parameters taken from ``params``, those parameters were used
+    by no other torch call (tied weights, direct use, weight decay inside the
+    loss), its input was a tensor not modified in place afterwards and its
+    output a tensor. Global RNG state is restored afterwards.
+    """
+    params = {
+        k: v.detach().requires_grad_(v.is_floating_point() or v.is_complex())
+        for k, v in params.items()
+    }
+    analysis = _Analysis(params)
+    pre_handles = [
+        module.register_forward_pre_hook(
+            lambda mod, args, kwargs, path=path: analysis.before_forward(path, mod, args, kwargs),
+            with_kwargs=True,
+        )
+        for path, module in hooks.modules.items()
+    ]
+    devices = sorted({t.device.index for t in params.values() if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices), _UseTracker(analysis):
+            hooks.ctx = analysis
+            try:
+                loss_fn(params, example)
+            finally:
+                hooks.ctx = None
+    finally:
+        for handle in pre_handles:
+            handle.remove()
+
+    shared = _shared_parameters(model)
+    modules, reasons, ghosted, disqualified = [], [], set(), []
+    for path, module in hooks.modules.items():
+        kind, _ = covered_kind(module)
+        wanted = [
+            (attr, f"{path}.{attr}" if path else attr)
+            for attr in ("weight", "bias")
+            if isinstance(module._parameters.get(attr), Tensor)
+        ]
+        wanted = [(attr, name) for attr, name in wanted if name in params]
+        if not wanted:
+            continue  # nothing trainable under this module's own names
+        why = _disqualify(path, module, wanted, analysis, shared)
+        if why:
+            reasons.append(f"{path!r}: {why}")
+            disqualified.append((path, why))
+            continue
+        output = analysis.outputs[path]
+        modules.append(
+            GhostModule(
+                path=path,
+                kind=kind,
+                config=_config(kind, module),
+                attrs=tuple(wanted),
+                out_shape=tuple(output.shape),
+                out_dtype=output.dtype,
+            )
+        )
+        ghosted.update(name for _, name in wanted)
+    explained = {
+        name for path, why in disqualified for name in _own_names(path, hooks.modules[path])
+    }
+    no_rule: dict[str, list[str]] = {}
+    for name in params:
+        if name not in ghosted and name not in explained:
+            no_rule.setdefault(name.rpartition(".")[0], []).append(name)
+    for owner, names in no_rule.items():
+        try:
+            _, why = covered_kind(model.get_submodule(owner))
+        except AttributeError:
+            why = "not a module's parameter"
+        reasons.append(f"{owner!r}: {why} (parameters {names})")
+    covered = tuple(name for m in modules for _, name in m.attrs)
+    return GhostPlan(tuple(modules), tuple(reasons), covered)
+
+
+def _own_names(path: str, module: nn.Module) -> list[str]:
+    return [f"{path}.{a}" if path else a for a in ("weight", "bias") if a in module._parameters]
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    seen: Counter = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    return {key for key, count in seen.items() if count > 1}
+
+
+def _disqualify(path, module, wanted, analysis: _Analysis, shared: set[int]) -> str:
+    calls = analysis.calls[path]
+    if calls == 0 or path not in analysis.outputs:
+        return "never called through its forward (its parameters are used some other way)"
+    if calls > 1:
+        return f"called {calls} times per example"
+    if path in analysis.nested:
+        return "called inside a nested torch.func transform (e.g. an input derivative)"
+    for attr, _ in wanted:
+        if id(module._parameters[attr]) in shared:
+            return f"its {attr} is shared with another module (tied weights)"
+    bound = analysis.bound.get(path, {})
+    for attr, name in wanted:
+        if bound.get(attr) != name:
+            return f"its {attr} at call time is not params[{name!r}]"
+    for _, name in wanted:
+        outside = analysis.uses[name] - {path}
+        if outside:
+            where = sorted(repr(p) if p else "outside any covered module" for p in outside)
+            return f"params[{name!r}] is also used {', '.join(where)}"
+    for other_attr, name in bound.items():
+        if name is not None and (other_attr, name) not in wanted:
+            return f"its {other_attr} is another module's parameter {name!r}"
+    x, version = analysis.inputs.get(path, (None, None))
+    if x is None:
+        return "its input is not a tensor"
+    if x._version != version:
+        return "its input is modified in place after the call"
+    if not isinstance(analysis.outputs[path], Tensor):
+        return "its output is not a tensor"
+    kind, _ = covered_kind(module)
+    if kind == "conv" and x.dim() not in (module.weight.dim() - 1, module.weight.dim()):
+        return f"input of rank {x.dim()}"
+    if kind == "group_norm" and x.dim() < 2:
+        return f"input of rank {x.dim()}"
+    if kind == "embedding" and (x.is_floating_point() or x.is_complex()):
+        return "input is not an integer tensor"
+    return ""
+
+
+# --- batch skeletons (so the plan can be a compile-time constant) ---------------------
+
+
+def _skeleton(tree: PyTree, leaves: list) -> Any:
+    if isinstance(tree, Tensor):
+        leaves.append(tree)
+        return None
+    if isinstance(tree, dict):
+        return (dict, tuple((k, _skeleton(v, leaves)) for k, v in tree.items()))
+    if isinstance(tree, (tuple, list)):
+        return (type(tree), tuple(_skeleton(v, leaves) for v in tree))
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return ("const", tree)
+    raise TypeError(f"ghost clipping supports batches of tuples, lists and dicts, got {tree!r}")
+
+
+def _rebuild(skeleton: Any, leaves) -> PyTree:
+    if skeleton is None:
+        return next(leaves)
+    kind, body = skeleton
+    if kind == "const":
+        return body
+    if kind is dict:
+        return {k: _rebuild(v, leaves) for k, v in body}
+    children = [_rebuild(v, leaves) for v in body]
+    if kind in (tuple, list):
+        return kind(children)
+    return kind(*children)  # a NamedTuple
+
+
+class GhostClipper:
+    """Per-step state of the ghost path: the hooks, the plans by batch structure, warnings."""
+
+    def __init__(self, model: nn.Module, loss_fn, method: str):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.method = method
+        self.hooks = install_hooks(model)
+        self.plans: dict[Any, GhostPlan] = {}
+        self.warned = False
+
+    def plan(self, params: Params, batch: PyTree) -> GhostPlan:
+        """The plan for this batch structure (computed once; a constant under compile)."""
+        leaves: list = []
+        try:
+            skeleton = _skeleton(batch, leaves)
+        except TypeError as error:
+            return _plan_for(self, ("unsupported", str(error)), None, ())
+        key = (
+            tuple((k, tuple(v.shape), v.dtype) for k, v in params.items()),
+            skeleton,
+            tuple((tuple(x.shape[1:]), x.dtype) for x in leaves),
+        )
+        return _plan_for(self, key, skeleton, tuple(params), *params.values(), *leaves)
+
+
+@torch.compiler.assume_constant_result
+def _plan_for(clipper: GhostClipper, key, skeleton, names, *tensors) -> GhostPlan:
+    # Runs eagerly, also when the step is being compiled: Dynamo calls it with the
+    # real tensors and bakes the returned plan into the graph as a constant.
+    plan = clipper.plans.get(key)
+    if plan is not None:
+        return plan
+    if key[0] == "unsupported":
+        plan = GhostPlan((), (key[1],))
+    else:
+        params = dict(zip(names, tensors[: len(names)]))
+        example = _rebuild(skeleton, iter(t[0] for t in tensors[len(names) :]))
+        try:
+            plan = analyse(clipper.model, clipper.hooks, clipper.loss_fn, params, example)
+        except Exception as error:  # the loss could not run under the analysis
+            plan = GhostPlan((), (f"the analysis pass failed: {type(error).__name__}: {error}",))
+    clipper.plans[key] = plan
+    if plan.reasons and not clipper.warned:
+        clipper.warned = True
+        scope = (
+            "the whole step uses per-example gradients (vmap)"
+            if not plan.modules
+            else "these parameters get per-example gradients (vmap), the rest ghost clipping"
+        )
+        warnings.warn(
+            f"dpfunc ghost clipping (method={clipper.method!r}): {scope}: "
+            + "; ".join(plan.reasons),
+            UserWarning,
+            stacklevel=4,
+        )
+    return plan
+
+
+# --- the ghost pass -------------------------------------------------------------------
+
+
+class _Run:
+    """Hook context of the ghost pass: adds the probes, records the inputs."""
+
+    def __init__(self, probes: dict[str, Tensor]):
+        self.probes = probes
+        self.inputs: dict[str, Tensor] = {}
+
+    def after_forward(self, path, module, args, kwargs, output):
+        probe = self.probes.get(path)
+        if probe is None:
+            return None
+        if path in self.inputs:
+            raise RuntimeError(
+                f"dpfunc ghost clipping: module {path!r} ran twice in one example, but only "
+                "once in the analysis pass; use method='vmap' for this loss"
+            )
+        self.inputs[path] = _module_input(args, kwargs)
+        return output + probe
+
+
+def ghost_clip(
+    loss_fn,
+    hooks: GhostHooks,
+    plan: GhostPlan,
+    params: Params,
+    batch: PyTree,
+    mask: Tensor,
+    *,
+    clipping: str,
+    clip_norm: float,
+    chunk_size: int | None = None,
+) -> tuple[Params, Tensor, Tensor, Tensor]:
+    """The clipped sum of one micro-batch by ghost clipping and book-keeping.
+
+    Args:
+        loss_fn, params, batch: as for :func:`dpfunc.per_sample_grads`.
+        hooks, plan: from :class:`GhostClipper` (``plan.modules`` not empty).
+        mask: ``Tensor[B]`` bool, ``False`` for padding rows.
+        clipping: ``"flat"``, ``"normalized"`` or ``"per_layer"`` (groups
+            by owning module, as :func:`dpfunc.groups_by_module`).
+        clip_norm: ``C``.
+        chunk_size: passed to ``vmap``.
+
+    Returns:
+        ``(summed, losses[B], norms[B] float64, scaled[B] bool)``: ``summed``
+        equals ``clipped_sum(per_sample_grads(...), factors, mask)`` of the
+        vmap path. A padding row or an example with a non-finite norm
+        contributes exactly 0, even with NaN in its activations or gradients.
+    """
+    covered_names = plan.covered
+    covered = {k: v for k, v in params.items() if k in covered_names}
+    other = {k: v for k, v in params.items() if k not in covered_names}
+    device = next(iter(params.values())).device
+    probes = {
+        m.path: torch.zeros(m.out_shape, dtype=m.out_dtype, device=device) for m in plan.modules
+    }
+    names = list(params)
+
+    def example_loss(probes, other, covered, example):
+        merged = {k: other[k] if k in other else covered[k] for k in names}
+        run = _Run(probes)
+        hooks.ctx = run
+        try:
+            loss = loss_fn(merged, example)
+        finally:
+            hooks.ctx = None
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                "loss_fn must return one example's loss as a 0-d tensor, got "
+                f"{shape}; loss_fn sees a single example without a batch dimension"
+            )
+        missing = [path for path in probes if path not in run.inputs]
+        if missing:
+            raise RuntimeError(
+                f"dpfunc ghost clipping: modules {missing} ran in the analysis pass but not "
+                "in this one; use method='vmap' for this loss"
+            )
+        return loss, (loss, run.inputs)
+
+    per_example = vmap(
+        grad_and_value(example_loss, argnums=(0, 1), has_aux=True),
+        in_dims=(None, None, None, 0),
+        chunk_size=chunk_size,
+        randomness="different",
+    )
+    (out_grads, other_grads), (_, (losses, inputs)) = per_example(probes, other, covered, batch)
+
+    squared: dict[str, Tensor] = {}
+    states: dict[str, Any] = {}
+    for m in plan.modules:
+        states[m.path] = _RULES[m.kind].prepare(m, inputs[m.path], out_grads[m.path])
+        for name, sq in _RULES[m.kind].norms(m, states[m.path]).items():
+            squared[name] = sq
+    for name, g in other_grads.items():
+        squared[name] = _sq(g)
+
+    mask = mask.to(torch.bool)
+    if clipping == "per_layer":
+        groups = groups_by_module(params)
+        group_norms = {
+            group: torch.stack([squared[n] for n in members]).sum(0).sqrt()
+            for group, members in groups.items()
+        }
+        factors = clip_factors(group_norms, clip_norm)
+        total = torch.stack([n.square() for n in group_norms.values()]).sum(0).sqrt()
+        scaled = torch.stack([f < 1 for f in factors.values()]).any(0)
+        weights = {
+            n: torch.where(mask, factors[group], torch.zeros_like(factors[group]))
+            for group, members in groups.items()
+            for n in members
+        }
+    else:
+        total = torch.stack([squared[n] for n in names]).sum(0).sqrt()
+        factor = clip_factors(total, clip_norm, normalize=clipping == "normalized")
+        scaled = factor < 1
+        factor = torch.where(mask, factor, torch.zeros_like(factor))
+        weights = dict.fromkeys(names, factor)
+
+    summed: dict[str, Tensor] = {}
+    for m in plan.modules:
+        w = {attr: weights[name] for attr, name in m.attrs}
+        for attr, value in _RULES[m.kind].sums(m, states[m.path], w).items():
+            summed[dict(m.attrs)[attr]] = value
+    for name, g in other_grads.items():
+        summed[name] = _weighted_sum(g, weights[name])
+    summed = {k: summed[k] for k in names}
+    return summed, losses, total, scaled
+
+
+# --- rules: squared norms and clipped sums from (A, G) ---------------------------------
+
+
+def _sq(t: Tensor) -> Tensor:
+    """Each example's squared L2 norm, accumulated in float64: ``[B, ...] -> [B]``."""
+    flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    return torch.linalg.vector_norm(flat, dim=1, dtype=_F64).square()
+
+
+def _expand(w: Tensor, like: Tensor) -> Tensor:
+    return w.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def _keep(t: Tensor, w: Tensor) -> Tensor:
+    """``t`` with the rows of weight-0 examples set to exactly 0 (NaN-safe)."""
+    return torch.where(_expand(w != 0, t), t, t.new_zeros(()))
+
+
+def _scaled(t: Tensor, w: Tensor) -> Tensor:
+    """``w_i * t_i`` with rows of weight-0 examples exactly 0 (NaN-safe)."""
+    w = _expand(w, t)
+    return torch.where(w != 0, t * w.to(t.dtype), t.new_zeros(()))
+
+
+def _weighted_sum(g: Tensor, w: Tensor) -> Tensor:
+    return _scaled(g, w).sum(0)
+
+
+def linear_weight_norms(a: Tensor, g: Tensor, form: str | None = None) -> Tensor:
+    """``||g_i^T a_i||_F^2`` for ``a [N, T, d_in]``, ``g [N, T, d_out]``, as float64 ``[N]``.
+
+    ``form``: ``"outer"`` (``T == 1``: ``|a|^2 |g|^2``), ``"gram"``
+    (``sum((a a^T) * (g g^T))``, ``T x T`` per example) or ``"direct"`` (forms
+    the ``d_out x d_in`` gradient); ``None`` picks ``outer`` for ``T == 1``,
+    else ``gram`` when ``T^2 < d_in * d_out``, else ``direct``.
+    """
+    t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    if form is None:
+        form = "outer" if t == 1 else ("gram" if t * t < d_in * d_out else "direct")
+    if form == "outer":
+        if t != 1:
+            raise ValueError(f"form='outer' needs one position per example, got {t}")
+        return _sq(a) * _sq(g)
+    if form == "gram":
+        gram = torch.bmm(a, a.mT) * torch.bmm(g, g.mT)
+        return gram.sum((1, 2), dtype=_F64).clamp(min=0)
+    if form == "direct":
+        return _sq(torch.bmm(g.mT, a))
+    raise ValueError(f"form must be 'outer', 'gram', 'direct' or None, got form={form!r}")
+
+
+class _Linear:
+    """``grad W_i = G_i^T A_i`` over the positions ``T``; ``grad b_i = sum_t G_i``."""
+
+    @staticmethod
+    def prepare(m: GhostModule, a: Tensor, g: Tensor):
+        d_in, d_out = m.config
+        b = g.shape[0]
+        return a.reshape(b, -1, d_in).to(g.dtype), g.reshape(b, -1, d_out)
+
+    @staticmethod
+    def norms(m, state):
+        a, g = state
+        out = {}
+        for attr, name in m.attrs:
+            out[name] = linear_weight_norms(a, g) if attr == "weight" else _sq(g.sum(1))
+        return out
+
+    @staticmethod
+    def sums(m, state, w):
+        a, g = state
+        d_in, d_out = m.config
+        out = {}
+        if "weight" in w:
+            gw = _scaled(g, w["weight"]).reshape(-1, d_out)
+            out["weight"] = gw.mT @ _keep(a, w["weight"]).reshape(-1, d_in)
+        if "bias" in w:
+            out["bias"] = _scaled(g, w["bias"]).sum((0, 1))
+        return out
+
+
+class _Embedding:
+    """``grad W_i[v] = sum_{t: idx_t = v} G_i[t]``, except the ``padding_idx`` row."""
+
+    @staticmethod
+    def prepare(m, idx, g):
+        _, dim, padding_idx = m.config
+        b = g.shape[0]
+        idx = idx.reshape(b, -1)
+        g = g.reshape(b, -1, dim)
+        if padding_idx is not None:  # the padding row gets no gradient
+            g = torch.where((idx != padding_idx)[..., None], g, g.new_zeros(()))
+        return idx, g
+
+    @staticmethod
+    def norms(m, state):
+        idx, g = state
+        same = idx[:, :, None] == idx[:, None, :]
+        gram = torch.where(same, torch.bmm(g, g.mT), g.new_zeros(()))
+        ((_, name),) = m.attrs
+        return {name: gram.sum((1, 2), dtype=_F64).clamp(min=0)}
+
+    @staticmethod
+    def sums(m, state, w):
+        idx, g = state
+        num, dim, _ = m.config
+        rows = _scaled(g, w["weight"]).reshape(-1, dim)
+        zeros = torch.zeros(num, dim, dtype=g.dtype, device=g.device)
+        return {"weight": zeros.index_add(0, idx.reshape(-1), rows)}
+
+
+class _Conv:
+    """A convolution is a Linear over the ``unfold``-ed input patches, per group."""
+
+    @staticmethod
+    def prepare(m, a, g):
+        nd, c_in, c_out, kernel, stride, dilation, groups, padding, mode = m.config
+        b = g.shape[0]
+        x = a.reshape(-1, c_in, *a.shape[a.dim() - nd :]).to(g.dtype)  # [B * N, C_in, ...]
+        g = g.reshape(x.shape[0], c_out, *g.shape[g.dim() - nd :])  # [B * N, C_out, ...]
+        symmetric = all(padding[i] == padding[i + 1] for i in range(0, len(padding), 2))
+        if mode == "constant" and symmetric:  # F.unfold pads with zeros itself
+            pad = tuple(padding[::-2])
+        else:
+            x, pad = F.pad(x, padding, mode=mode), (0,) * nd
+        if nd == 1:
+            args = dict(kernel_size=(1, *kernel), dilation=(1, *dilation), stride=(1, *stride))
+            u = F.unfold(x.unsqueeze(-2), padding=(0, *pad), **args)
+        else:
+            u = F.unfold(x, kernel, dilation=dilation, padding=pad, stride=stride)
+        length = u.shape[-1]  # output positions, L
+        d_in, d_out = c_in // groups * math.prod(kernel), c_out // groups
+        # [B, groups, N * L, d] as views when N == 1 (one image per example)
+        u_t = u.reshape(b, -1, groups, d_in, length).permute(0, 2, 1, 4, 3)
+        g_t = g.reshape(b, -1, groups, d_out, length).permute(0, 2, 1, 4, 3)
+        u_t = u_t.reshape(b, groups, -1, d_in)
+        g_t = g_t.reshape(b, groups, -1, d_out)
+        return x, pad, u_t, g, g_t
+
+    @staticmethod
+    def norms(m, state):
+        _, _, u, _, g = state
+        b, groups = u.shape[:2]
+        out = {}
+        for attr, name in m.attrs:
+            if attr == "weight":
+                sq = linear_weight_norms(u.flatten(0, 1), g.flatten(0, 1))
+                out[name] = sq.reshape(b, groups).sum(1)
+            else:
+                out[name] = _sq(g.sum(2))
+        return out
+
+    @staticmethod
+    def sums(m, state, w):
+        x, pad, _, g, g_t = state
+        nd, c_in, c_out, kernel, stride, dilation, groups, _, _ = m.config
+        out = {}
+        if "weight" in w:  # the ordinary weight gradient of the scaled output gradients
+            per_image = w["weight"].repeat_interleave(x.shape[0] // g_t.shape[0])
+            weight_grad = torch.nn.grad.conv1d_weight if nd == 1 else torch.nn.grad.conv2d_weight
+            out["weight"] = weight_grad(
+                _keep(x, per_image),
+                (c_out, c_in // groups, *kernel),
+                _scaled(g, per_image),
+                stride=stride,
+                padding=pad,
+                dilation=dilation,
+                groups=groups,
+            )
+        if "bias" in w:
+            out["bias"] = _scaled(g_t, w["bias"]).sum((0, 2)).reshape(c_out)
+        return out
+
+
+class _Norm:
+    """LayerNorm and GroupNorm: ``grad weight_i = sum xhat_i * G_i``, ``grad bias_i = sum G_i``
+    (small, so formed per example)."""
+
+    @staticmethod
+    def norms(m, grads):
+        return {name: _sq(grads[attr]) for attr, name in m.attrs}
+
+    @staticmethod
+    def sums(m, grads, w):
+        return {attr: _weighted_sum(grads[attr], w[attr]) for attr in w}
+
+
+class _LayerNorm(_Norm):
+    @staticmethod
+    def prepare(m, a, g):
+        shape, eps = m.config
+        b = g.shape[0]
+        g = g.reshape(b, -1, *shape)
+        xhat = F.layer_norm(a.to(g.dtype), shape, eps=eps).reshape(g.shape)
+        return {"weight": (xhat * g).sum(1), "bias": g.sum(1)}
+
+
+class _GroupNorm(_Norm):
+    @staticmethod
+    def prepare(m, a, g):
+        groups, channels, eps = m.config
+        b = g.shape[0]
+        g = g.reshape(b, -1, channels, math.prod(g.shape[3:]) if g.dim() > 3 else 1)
+        x = a.to(g.dtype).reshape(-1, channels, g.shape[-1])
+        xhat = F.group_norm(x, groups, eps=eps).reshape(g.shape)
+        return {"weight": (xhat * g).sum((1, 3)), "bias": g.sum((1, 3))}
+
+
+_RULES = {
+    "linear": _Linear,
+    "embedding": _Embedding,
+    "conv": _Conv,
+    "layer_norm": _LayerNorm,
+    "group_norm": _GroupNorm,
+}

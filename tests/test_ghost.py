@@ -1,0 +1,386 @@
+"""Ghost clipping against the vmap path: same norms, same clipped sums, same steps."""
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.testing import CompileCounter
+from torch.func import functional_call, jacrev
+
+import dpfunc
+from dpfunc.ghost import GhostClipper, linear_weight_norms, remove_hooks
+from dpfunc.per_sample import batch_size
+from dpfunc.tree import tree_map
+
+B = 6
+
+
+def projected(out):
+    """A scalar that depends on every output coordinate differently."""
+    weights = torch.linspace(-1.0, 2.0, out.numel(), dtype=out.dtype).reshape(out.shape)
+    return (out * weights).sum() + 0.5 * out.pow(2).sum()
+
+
+def on_unsqueezed(call, x):
+    return projected(call(x.unsqueeze(0)))
+
+
+def problem(model, forward=on_unsqueezed):
+    """``(params, loss_fn)`` for ``forward(call, example)`` in float64."""
+    model.double()
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        return forward(lambda *a: functional_call(model, (p, buffers), a), example)
+
+    return params, loss_fn
+
+
+def steps(model, loss_fn, **kwargs):
+    """The same step by vmap and by ghost clipping."""
+    args = dict(clip_norm=0.7, noise_multiplier=0.0, expected_batch_size=B)
+    args.update(kwargs)
+    opt = dpfunc.optim.sgd(lr=1.0)
+    vmap_step = dpfunc.make_train_step(loss_fn, opt, method="vmap", **args)
+    ghost_step = dpfunc.make_train_step(loss_fn, opt, model=model, method="ghost", **args)
+    return vmap_step, ghost_step
+
+
+def assert_ghost_equals_vmap(model, batch, forward=on_unsqueezed, *, ghosted, mask=None, **kw):
+    """Clipped sums and norms agree, and exactly the modules ``ghosted`` used the ghost rules."""
+    params, loss_fn = problem(model, forward)
+    batch = tree_map(lambda t: t.double() if t.is_floating_point() else t, batch)
+    plan = GhostClipper(model, loss_fn, "ghost").plan(params, batch)
+    assert [m.path for m in plan.modules] == ghosted
+    mask = torch.ones(batch_size(batch)) if mask is None else mask
+    if "clip_norm" not in kw:  # between the middle norms: some examples are clipped, some not
+        probe, _ = steps(model, loss_fn, clip_norm=math.inf)
+        norms = probe.clip(params, batch, mask)[1].norm[mask.bool()].sort().values
+        kw["clip_norm"] = norms[len(norms) // 2 - 1 : len(norms) // 2 + 1].mean().item()
+    vmap_step, ghost_step = steps(model, loss_fn, **kw)
+    want, want_stats = vmap_step.clip(params, batch, mask)
+    got, got_stats = ghost_step.clip(params, batch, mask)
+    assert list(got) == list(want)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12, msg=k)
+    torch.testing.assert_close(got_stats.norm, want_stats.norm, rtol=1e-8, atol=1e-12)
+    assert torch.equal(got_stats.scaled, want_stats.scaled)
+    torch.testing.assert_close(got_stats.loss, want_stats.loss)
+    assert want_stats.scaled.any()  # clipping is exercised ...
+    if kw.get("clipping", "flat") != "per_layer":
+        assert not want_stats.scaled[mask.bool()].all()  # ... and so is no clipping
+    return plan
+
+
+def tokens_with_repeats():
+    return torch.tensor([[1, 1, 2], [0, 3, 3], [9, 9, 9], [4, 0, 5], [0, 0, 0], [2, 7, 2]])
+
+
+@pytest.mark.parametrize(
+    "model, batch, scale",
+    [
+        (nn.Linear(5, 3), torch.randn(B, 5), 1.0),
+        (nn.Linear(5, 4), torch.randn(B, 3, 5), 1.0),  # T^2 = 9 < 20: Gram form
+        (nn.Linear(5, 3), torch.randn(B, 6, 5), 1.0),  # T^2 = 36 > 15: direct form
+        (nn.Linear(3, 2, bias=False), torch.randn(B, 2, 2, 3), 1.0),  # two position dims
+        (nn.Embedding(10, 4, padding_idx=0), tokens_with_repeats(), 0.3),
+        (nn.Embedding(10, 3), tokens_with_repeats(), 0.3),
+        (nn.Conv1d(3, 4, 3, stride=2, padding=1), torch.randn(B, 3, 9), 1.0),
+        (nn.Conv1d(4, 2, 4, padding="same", groups=2), torch.randn(B, 4, 7), 1.0),  # pads 1, 2
+        (nn.Conv2d(2, 4, 3, stride=2, padding=1, dilation=1), torch.randn(B, 2, 7, 6), 0.3),
+        (nn.Conv2d(2, 4, 3, padding="same", dilation=2, groups=2), torch.randn(B, 2, 6, 6), 0.3),
+        (
+            nn.Conv2d(4, 6, (2, 3), stride=(2, 1), groups=2, padding_mode="reflect", padding=1),
+            torch.randn(B, 4, 5, 5),
+            0.3,
+        ),
+        (nn.LayerNorm(6), torch.randn(B, 3, 6), 1.0),
+        (nn.LayerNorm((2, 3), bias=False), torch.randn(B, 4, 2, 3), 1.0),
+        (nn.GroupNorm(2, 4), torch.randn(B, 4, 5), 1.0),
+        (nn.GroupNorm(3, 6), torch.randn(B, 6, 3, 3), 1.0),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, nn.Module) else "",
+)
+def test_each_covered_layer_matches_vmap(model, batch, scale):
+    forward = lambda call, x: scale * on_unsqueezed(call, x)  # noqa: E731
+    assert_ghost_equals_vmap(model, batch, forward, ghosted=[""])
+
+
+def test_conv_on_unbatched_and_multi_image_examples_and_frozen_weight():
+    as_is = lambda call, x: projected(call(x))  # noqa: E731
+    conv = nn.Conv2d(3, 2, 2)
+    assert_ghost_equals_vmap(conv, torch.randn(B, 3, 4, 4), as_is, ghosted=[""])
+    conv = nn.Conv2d(2, 4, 3, padding=1, groups=2)  # each example is 3 images
+    assert_ghost_equals_vmap(conv, torch.randn(B, 3, 2, 4, 4), as_is, ghosted=[""])
+    lin = nn.Linear(4, 3)
+    lin.weight.requires_grad_(False)  # only the bias is trained
+    plan = assert_ghost_equals_vmap(lin, torch.randn(B, 4), ghosted=[""])
+    assert plan.covered == ("bias",)
+
+
+@pytest.mark.parametrize("form", ["gram", "direct"])
+@pytest.mark.parametrize("positions", [1, 4, 9])
+def test_linear_norm_forms_equal_the_materialised_gradient(form, positions):
+    a = torch.randn(5, positions, 6, dtype=torch.float64)
+    g = torch.randn(5, positions, 4, dtype=torch.float64)
+    want = torch.einsum("bto,bti->boi", g, a).pow(2).sum((1, 2))
+    torch.testing.assert_close(linear_weight_norms(a, g, form), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(linear_weight_norms(a, g), want, rtol=1e-12, atol=0)
+    if positions == 1:
+        torch.testing.assert_close(linear_weight_norms(a, g, "outer"), want, rtol=1e-12, atol=0)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 4, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 4)
+        self.conv2 = nn.Conv2d(4, 4, 3, stride=2, groups=2)
+        self.fc = nn.Linear(4 * 3 * 3, 3)
+
+    def forward(self, x):
+        x = torch.tanh(self.norm(self.conv1(x)))
+        return self.fc(torch.relu(self.conv2(x)).flatten(1))
+
+
+def classify(call, example):
+    x, y = example
+    return F.cross_entropy(call(x.unsqueeze(0)), y.unsqueeze(0))
+
+
+@pytest.mark.parametrize("clipping", ["flat", "normalized", "per_layer"])
+def test_mixed_models_match_vmap(clipping):
+    mlp = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    batch = (torch.randn(B, 6) * 3, torch.randint(0, 3, (B,)))
+    mask = torch.tensor([1, 1, 0, 1, 1, 1.0])
+    kw = dict(clipping=clipping)
+    assert_ghost_equals_vmap(mlp, batch, classify, ghosted=["0", "2", "4"], mask=mask, **kw)
+    batch = (torch.randn(B, 1, 7, 7) * 3, torch.randint(0, 3, (B,)))
+    assert_ghost_equals_vmap(
+        SmallCNN(), batch, classify, ghosted=["conv1", "norm", "conv2", "fc"], mask=mask, **kw
+    )
+
+
+def test_transformer_layer_ghosts_all_but_attention():
+    torch.manual_seed(1)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    batch = torch.randn(B, 5, 8)
+    with pytest.warns(UserWarning, match=r"'self_attn\.out_proj': never called.*'self_attn'"):
+        assert_ghost_equals_vmap(
+            layer,
+            batch,
+            lambda c, x: 0.2 * on_unsqueezed(c, x),
+            ghosted=["linear1", "linear2", "norm1", "norm2"],
+        )
+
+
+@pytest.mark.parametrize("clipping", ["flat", "normalized"])
+def test_private_step_equals_vmap_step(clipping):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Embedding(12, 4, padding_idx=0), nn.Flatten(), nn.Linear(12, 3))
+    params, loss_fn = problem(model, classify)
+    tokens, labels = torch.randint(0, 12, (B, 3)), torch.randint(0, 3, (B,))
+    mask = torch.tensor([1, 0, 1, 1, 1, 1.0])
+    vmap_step, ghost_step = steps(
+        model,
+        loss_fn,
+        clipping=clipping,
+        clip_norm=0.5,
+        noise_multiplier=1.3,
+        expected_batch_size=5.0,
+    )
+    noise = dpfunc.standard_normal_like(params, seed=4, step=0)
+    want, want_metrics = vmap_step(vmap_step.init(params), (tokens, labels), mask, noise)
+    got, got_metrics = ghost_step(ghost_step.init(params), (tokens, labels), mask, noise)
+    for k in params:
+        torch.testing.assert_close(got.params[k], want.params[k], rtol=1e-10, atol=1e-12)
+        assert not torch.equal(got.params[k], params[k])
+    for k in want_metrics:
+        torch.testing.assert_close(got_metrics[k], want_metrics[k], equal_nan=True)
+
+
+def test_each_examples_contribution_is_bounded_and_chunking_is_invisible():
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
+    params, loss_fn = problem(model, lambda call, ex: ex[1] * on_unsqueezed(call, ex[0]))
+    batch = (torch.randn(B, 2, 6, dtype=torch.float64), torch.logspace(-4, 2, B).double())
+    _, ghost = steps(model, loss_fn, clip_norm=0.5)
+    _, chunked = steps(model, loss_fn, clip_norm=0.5, chunk_size=4)
+    whole, _ = ghost.clip(params, batch, torch.ones(B))
+    parts, _ = chunked.clip(params, batch, torch.ones(B))
+    for k in params:
+        torch.testing.assert_close(parts[k], whole[k], rtol=1e-12, atol=1e-14)
+    norms = []
+    for i in range(B):
+        one, _ = ghost.clip(params, batch, torch.eye(B)[i])
+        norms.append(dpfunc.tree.global_norm(one))
+    norms = torch.stack(norms)
+    assert norms.max() <= 0.5 * (1 + 1e-9)
+    assert norms.min() < 0.1 and norms.max() > 0.49  # small ones kept, large ones clipped
+
+
+def test_nonfinite_and_padding_rows_contribute_exactly_zero():
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 2))
+    params, loss_fn = problem(model)
+    x = torch.randn(B, 4, dtype=torch.float64)
+    x[1, 0] = math.nan  # NaN in the activations and the output gradients of example 1
+    x[3] = math.inf
+    x[4] = math.nan  # a padding row full of NaN
+    mask = torch.tensor([1, 1, 1, 1, 0, 1.0])
+    _, ghost = steps(model, loss_fn)
+    summed, stats = ghost.clip(params, x, mask)
+    keep = [0, 2, 5]
+    clean, _ = ghost.clip(params, x[keep], torch.ones(3))
+    for k in params:
+        assert torch.isfinite(summed[k]).all()
+        torch.testing.assert_close(summed[k], clean[k], rtol=1e-12, atol=1e-14)
+    assert not torch.isfinite(stats.norm[[1, 3]]).any()
+
+
+def pinn_loss_problem():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def forward(call, example):
+        xi, fi = example
+
+        def u(z):
+            return call(z).squeeze()
+
+        return (torch.trace(jacrev(jacrev(u))(xi)) - fi) ** 2
+
+    return model, forward, (torch.rand(B, 2), torch.randn(B))
+
+
+class TiedLanguageModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(7, 4)
+        self.out = nn.Linear(4, 7, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.embed(tokens)))
+
+
+@pytest.mark.parametrize("case", ["pinn", "tied", "weight_decay_in_loss"])
+def test_whole_step_falls_back_with_one_warning(case):
+    if case == "pinn":
+        model, forward, batch = pinn_loss_problem()
+        reason = "nested torch.func transform"
+    elif case == "tied":
+        model, forward = TiedLanguageModel(), on_unsqueezed
+        batch = torch.randint(0, 7, (B, 3))
+        reason = "tied weights"
+    else:
+        model, forward = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), on_unsqueezed
+        batch = torch.randn(B, 3)
+        reason = "also used outside any covered module"
+    params, loss_fn = problem(model, forward)
+    if case == "weight_decay_in_loss":
+        plain = loss_fn
+
+        def loss_fn(p, example):  # reads every parameter outside the module calls
+            return plain(p, example) + 0.1 * sum(v.pow(2).sum() for v in p.values())
+
+    batch = tree_map(lambda t: t.double() if t.is_floating_point() else t, batch)
+    vmap_step, ghost_step = steps(model, loss_fn)
+    mask = torch.ones(B)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [ghost_step.clip(params, batch, mask) for _ in range(2)]
+        if case == "tied":  # a new batch structure is analysed again, but not warned again
+            ghost_step.clip(params, torch.randint(0, 7, (B, 4)), mask)
+            assert len(ghost_step._ghost.plans) == 2
+    ours = [w for w in caught if "dpfunc ghost" in str(w.message)]
+    assert len(ours) == 1, [str(w.message) for w in caught]
+    assert "the whole step uses per-example gradients" in str(ours[0].message)
+    assert reason in str(ours[0].message)
+    want, _ = vmap_step.clip(params, batch, mask)
+    for k in params:
+        torch.testing.assert_close(got[1][0][k], want[k], rtol=1e-10, atol=1e-12)
+
+
+def test_module_called_twice_falls_back_for_that_module_only():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(self.a(torch.tanh(self.a(x))))
+
+    with pytest.warns(UserWarning, match="'a': called 2 times per example"):
+        assert_ghost_equals_vmap(Twice(), torch.randn(B, 4) * 2, ghosted=["b"])
+
+
+def test_construction_checks():
+    model = nn.Linear(3, 1)
+    params, loss_fn = problem(model)
+    args = dict(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    with pytest.raises(ValueError, match="method='ghost' needs model="):
+        dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), method="ghost", **args)
+    with pytest.raises(ValueError, match="method='fast'"):
+        dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), method="fast", **args)
+    with pytest.raises(TypeError, match="model must be"):
+        dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), model=params, **args)
+    dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), method="vmap", model=model, **args)
+    assert "_dpfunc_ghost_hooks" not in model.__dict__  # vmap installs nothing
+    auto = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), model=model, **args)
+    assert "_dpfunc_ghost_hooks" in model.__dict__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        auto.clip(params, torch.randn(4, 3, dtype=torch.float64), None)
+    # hooks are inert outside a step: the module still computes its plain output
+    x = torch.randn(2, 3, dtype=torch.float64)
+    torch.testing.assert_close(model(x), F.linear(x, model.weight, model.bias))
+    assert len(model._forward_hooks) == 1
+    remove_hooks(model)
+    assert len(model._forward_hooks) == 0 and "_dpfunc_ghost_hooks" not in model.__dict__
+
+
+@pytest.mark.slow
+def test_compiled_ghost_step_equals_eager_with_one_graph():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        x, y = example
+        out = functional_call(model, (p, buffers), (x.unsqueeze(0),))
+        return F.cross_entropy(out, y.unsqueeze(0))
+
+    step = dpfunc.make_train_step(
+        loss_fn,
+        dpfunc.optim.adam(lr=0.01),
+        clip_norm=0.5,
+        noise_multiplier=1.0,
+        expected_batch_size=7.5,
+        model=model,
+        method="ghost",
+    )
+    counter = CompileCounter()
+    counted = torch.compile(step, backend=counter, fullgraph=True)  # compiled before eager ran
+    inductor = torch.compile(step, fullgraph=True)
+    eager_state = counted_state = inductor_state = step.init(params)
+    for i in range(3):
+        g = torch.Generator().manual_seed(i)
+        batch = (torch.randn(8, 6, generator=g) * 3, torch.randint(0, 3, (8,), generator=g))
+        mask = (torch.arange(8) % (i + 2) != 0).float()
+        noise = dpfunc.standard_normal_like(params, seed=0, step=i)
+        counted_state, _ = counted(counted_state, batch, mask, noise)
+        inductor_state, metrics = inductor(inductor_state, batch, mask, noise)
+        eager_state, eager_metrics = step(eager_state, batch, mask, noise)
+        torch.testing.assert_close(metrics["loss"], eager_metrics["loss"])
+        for k in params:
+            torch.testing.assert_close(counted_state.params[k], eager_state.params[k])
+            torch.testing.assert_close(
+                inductor_state.params[k], eager_state.params[k], rtol=1e-5, atol=1e-6
+            )
+    assert counter.frame_count == 1
+    (plan,) = step._ghost.plans.values()
+    assert [m.path for m in plan.modules] == ["0", "1", "3"]
