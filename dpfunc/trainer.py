@@ -8,10 +8,18 @@ stop before a step would exceed an epsilon budget, evaluate after each
 epoch, and checkpoint so that a resumed run ends bit-identical to an
 uninterrupted one (the sample and the noise of step t depend only on the
 seed and t).
+
+Distributed (data-parallel) training: launch the same script on every rank
+with ``torchrun`` and call ``dpfunc.distributed.init()`` before building the
+``Trainer``; it detects the process group (``distributed=None``) and then
+gives each rank its share of every logical batch, all-reduces the clipped
+sums, adds the shared noise once (see :mod:`dpfunc.distributed`), shows the
+progress bar and writes checkpoints on rank 0 only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import tempfile
@@ -24,6 +32,7 @@ import optree
 import torch
 from tqdm.auto import tqdm
 
+from . import distributed as _distributed
 from . import optim
 from .accounting import Accountant, calibrate_noise_multiplier
 from .data import PoissonBatches, dataset_size
@@ -69,6 +78,24 @@ class Trainer:
             every ``checkpoint_every`` steps if given).
         progress: show a tqdm bar with loss, epsilon and examples/s.
         chunk_size: passed to :func:`~dpfunc.per_sample_grads`.
+        distributed: data-parallel training over the default
+            ``torch.distributed`` process group (``dpfunc.distributed.init()``
+            under ``torchrun``). ``None`` (default) turns it on exactly when a
+            process group is initialised; ``True`` requires one; ``False``
+            trains on this process alone even if one exists. Rank and world
+            size come from the process group. Every rank builds the Trainer
+            with the same arguments and dataset (checked: the settings must
+            agree) and calls the same methods: ``fit``, ``train_step``,
+            ``save`` and ``load`` are collective. Each logical batch is split
+            across ranks (``physical_batch_size`` is then per rank, and its
+            default uses the per-rank expected share), the noise is added once
+            to the all-reduced sum, and every rank holds bit-identical
+            parameters, rank 0's initial ones. Only rank 0 shows the progress
+            bar and writes checkpoints; ``eval_fn`` and the accountant run on
+            every rank, so every rank has the same history. A rank that dies
+            or hangs makes the others raise
+            :class:`dpfunc.distributed.CollectiveError` after the process
+            group's timeout (``dpfunc.distributed.init(timeout_s=...)``).
     """
 
     def __init__(
@@ -95,8 +122,20 @@ class Trainer:
         checkpoint_every: int | None = None,
         progress: bool = True,
         chunk_size: int | None = None,
+        distributed: bool | None = None,
     ):
         n = dataset_size(dataset)
+        if distributed is None:
+            distributed = _distributed.is_initialized()
+        elif distributed and not _distributed.is_initialized():
+            raise ValueError(
+                "distributed=True needs an initialised torch.distributed process group; call "
+                "dpfunc.distributed.init() first (launch with torchrun)"
+            )
+        self.distributed = bool(distributed)
+        self.rank, self.world_size = (
+            _distributed.rank_and_world_size() if self.distributed else (0, 1)
+        )
         if not (isinstance(epochs, (int, float)) and 0 < epochs < math.inf):
             raise ValueError(f"epochs must be a finite number > 0, got epochs={epochs!r}")
         if not (isinstance(expected_batch_size, (int, float)) and 0 < expected_batch_size <= n):
@@ -120,9 +159,8 @@ class Trainer:
                 stacklevel=2,
             )
         if physical_batch_size is None:
-            physical_batch_size = math.ceil(
-                expected_batch_size + 3 * math.sqrt(expected_batch_size)
-            )
+            share = expected_batch_size / self.world_size  # each rank's expected share
+            physical_batch_size = math.ceil(share + 3 * math.sqrt(share))
         if not (isinstance(physical_batch_size, int) and physical_batch_size >= 1):
             raise ValueError(
                 "physical_batch_size must be a positive int, "
@@ -157,7 +195,26 @@ class Trainer:
         self.checkpoint_path = checkpoint_path
         self.checkpoint_every = checkpoint_every
 
-        self.step_fn = make_train_step(
+        if self.distributed:
+            _distributed.check_same_across_ranks(
+                {
+                    "num_examples": n,
+                    "sample_rate": self.sample_rate,
+                    "noise_multiplier": self.noise_multiplier,
+                    "clip_norm": clip_norm,
+                    "clipping": clipping,
+                    "seed": seed,
+                    "expected_batch_size": expected_batch_size,
+                    "physical_batch_size": physical_batch_size,
+                    "total_steps": self.total_steps,
+                    "epsilon_budget": epsilon_budget,
+                    "delta": delta,
+                    "accounting": accounting,
+                },
+                "Trainer settings",
+            )
+        make_step = _distributed.make_train_step if self.distributed else make_train_step
+        self.step_fn = make_step(
             loss_fn,
             optimizer,
             clip_norm=clip_norm,
@@ -167,12 +224,20 @@ class Trainer:
             chunk_size=chunk_size,
         )
         self._accumulate = self.step_fn.accumulate
-        self._apply = self.step_fn.apply
+        # distributed: the all-reduce runs eagerly between the compiled pieces
+        self._apply = self.step_fn.apply_reduced if self.distributed else self.step_fn.apply
         if compile:
             self._accumulate = torch.compile(self._accumulate, fullgraph=True)
             self._apply = torch.compile(self._apply, fullgraph=True)
-        self.batches = PoissonBatches(dataset, self.sample_rate, physical_batch_size, seed=seed)
-        self.state: TrainState = self.step_fn.init(params)
+        self.batches = PoissonBatches(
+            dataset,
+            self.sample_rate,
+            physical_batch_size,
+            seed=seed,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self.state: TrainState = self.step_fn.init(params)  # distributed: rank 0's params
         self.accountant = Accountant(method=accounting)
         self.history: list[dict[str, float]] = []
 
@@ -196,10 +261,15 @@ class Trainer:
         for batch, mask in micro_batches:
             summed, s = self._accumulate(summed, self.state.params, batch, mask)
             stats.append(s)
+        stats = ExampleStats.cat(stats)
+        if self.distributed:  # this rank's share -> the whole logical batch
+            summed = self.step_fn.all_reduce(summed, step=t)
+            stats = self.step_fn.gather_stats(stats, step=t)
+        # the same noise on every rank (same seed and step), added once to the global sum
         noise = standard_normal_like(self.state.params, seed=self.seed, step=t)
         self.state = self._apply(self.state, summed, noise)
         self.accountant.step(self.noise_multiplier, self.sample_rate)
-        return {k: float(v) for k, v in summarize(ExampleStats.cat(stats)).items()}
+        return {k: float(v) for k, v in summarize(stats).items()}
 
     def fit(self, max_steps: int | None = None) -> list[dict[str, float]]:
         """Trains until the planned steps are done or the budget would be exceeded.
@@ -219,7 +289,12 @@ class Trainer:
             if not (isinstance(max_steps, int) and max_steps >= 0):
                 raise ValueError(f"max_steps must be an int >= 0, got max_steps={max_steps!r}")
             stop_at = min(stop_at, self.steps_done + max_steps)
-        bar = tqdm(total=stop_at, initial=self.steps_done, disable=not self.progress, unit="step")
+        bar = tqdm(
+            total=stop_at,
+            initial=self.steps_done,
+            disable=not self.progress or self.rank != 0,
+            unit="step",
+        )
         loss_sum = examples = seen = 0.0
         started = time.perf_counter()
         epsilon = self.history[-1]["epsilon"] if self.history else 0.0
@@ -292,7 +367,33 @@ class Trainer:
         It holds the parameters, the optimizer state, the accountant's
         history, the step count (which fixes the sampler and noise streams),
         the run's privacy settings and the history.
+
+        Distributed: collective, call it on every rank. Rank 0 writes (the
+        ranks' states are identical); then all ranks wait until the file is
+        complete, and all raise if rank 0 failed to write it.
         """
+        if not self.distributed:
+            self._write(path)
+            return
+        error = None
+        if self.rank == 0:
+            try:
+                self._write(path)
+            except Exception as caught:
+                error = caught
+        flags = _distributed.gather_flags(
+            error is None,
+            f"the barrier after rank 0 saved checkpoint {os.fspath(path)!r}",
+            step=self.steps_done,
+        )
+        if error is not None:
+            raise error
+        if not flags[0]:
+            raise RuntimeError(
+                f"rank 0 failed to write checkpoint {os.fspath(path)!r}; see its log"
+            )
+
+    def _write(self, path: str | os.PathLike) -> None:
         path = os.fspath(path)
         checkpoint = {
             "version": CHECKPOINT_VERSION,
@@ -315,11 +416,48 @@ class Trainer:
     def load(self, path: str | os.PathLike) -> None:
         """Restores a checkpoint written by :meth:`save` of an identically set-up run.
 
+        Distributed: collective, call it on every rank; every rank reads the
+        same file (so ``path`` must be on storage all ranks see), and all
+        ranks raise if any rank could not load it or the ranks read different
+        files. A checkpoint may be resumed with another number of ranks: the
+        logical batches and the noise do not depend on it (the sums then
+        differ only in float rounding).
+
         Raises:
             ValueError: the file is unreadable or corrupted, or it was written
                 by a run with other privacy settings, data size or parameter
-                shapes. The trainer is left unchanged.
+                shapes; distributed, also when another rank failed to load it
+                or read a different file. The trainer is left unchanged.
         """
+        if not self.distributed:
+            self.state, self.accountant, self.history = self._read(path)
+            return
+        error = loaded = None
+        try:
+            loaded = self._read(path)
+        except ValueError as caught:
+            error = caught
+        flags = _distributed.gather_flags(
+            error is None, f"the check that every rank loaded checkpoint {os.fspath(path)!r}"
+        )
+        if error is not None:
+            raise error
+        if not all(flags):
+            failed = [r for r, ok in enumerate(flags) if not ok]
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} could not be loaded on ranks {failed} (see "
+                "their logs); this rank is left unchanged"
+            )
+        with open(path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+        _distributed.check_same_across_ranks(
+            {"steps": loaded[1].steps, "sha256": digest},
+            f"checkpoint {os.fspath(path)!r} as read by each rank",
+        )
+        self.state, self.accountant, self.history = loaded
+
+    def _read(self, path: str | os.PathLike) -> tuple[TrainState, Accountant, list]:
+        """Reads and validates a checkpoint; changes nothing."""
         try:
             checkpoint = torch.load(path, weights_only=True)
         except Exception as error:  # torch raises many types for a bad file
@@ -351,8 +489,7 @@ class Trainer:
                 f"checkpoint {os.fspath(path)!r} is inconsistent: {int(state.step)} optimizer "
                 f"steps but {accountant.steps} accounted steps"
             )
-        self.state, self.accountant = state, accountant
-        self.history = list(checkpoint["history"])
+        return state, accountant, list(checkpoint["history"])
 
 
 __all__ = ["Trainer"]

@@ -1,0 +1,555 @@
+"""Data-parallel DP-SGD over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Every rank holds the whole model and a share of each logical batch. One
+private step on ``W`` ranks::
+
+    every rank r:  its share of the Poisson batch (PoissonBatches(rank=r, world_size=W))
+                     -> accumulate: clipped sum S_r over its micro-batches      (local)
+    all ranks:     all_reduce(SUM): S = S_0 + ... + S_{W-1}                     (the only
+                                                                               collective)
+    every rank:    S + noise_multiplier * clip_norm * z,  z = standard_normal_like(params,
+                   seed, step), the SAME z on every rank -> / expected_batch_size -> update
+
+**Why the noise is added once, with no broadcast.** The Gaussian mechanism
+must add ``N(0, (sigma * C)**2)`` to the clipped sum of the WHOLE logical
+batch, once. ``standard_normal_like(params, seed, step)`` is a deterministic
+function of ``(seed, step)`` (a generator seeded by their hash), so every rank
+draws the same ``z`` without communicating and adds it AFTER the all-reduce:
+each rank then holds the same ``S + sigma * C * z``, which is exactly the
+single-process mechanism. Adding noise before the all-reduce would be wrong
+either way: the same ``z`` on every rank would sum to ``W * sigma * C * z``
+(std ``W`` times too large), independent draws to std ``sqrt(W)`` times too
+large; both waste utility, and neither is what the accountant assumes.
+Broadcasting ``z`` from rank 0 would be correct too but costs a second
+model-sized collective per step. The price of this choice: every rank must
+use the same ``seed`` (:class:`dpfunc.Trainer` checks its settings agree
+across ranks) and its parameters must live on the same kind of device (the
+generator of each rank's device then yields the same stream). Every rank
+applies the same update to bit-identical parameters (they all receive the
+same reduced tensor), so the ranks' parameters stay bit-identical.
+
+**Sampling.** :class:`dpfunc.data.PoissonBatches` with ``rank`` and
+``world_size`` gives each rank ``indices[rank::world_size]`` of the same
+logical batch (a function of ``(seed, step)``), padded to the same number of
+micro-batches on every rank without communication. The accountant sees ONE
+step per logical batch with the whole dataset's ``sample_rate``, and the
+average divides by the GLOBAL ``expected_batch_size = sample_rate *
+num_examples``, never by a rank's share. The result equals the
+single-process step on the concatenated batch up to float summation order
+(about 1e-7 relative in float32).
+
+**Metrics** (:func:`~dpfunc.summarize`) are computed from the per-example
+stats of ALL ranks, all-gathered, so every rank reports the same
+whole-batch loss, batch size, clipped fraction and norm quantiles. Like the
+single-process metrics they read the data without noise and are NOT
+private.
+
+**Failures.** A collective waits for every rank. If a rank dies, the
+others' collective fails when its connection closes; if a rank hangs (or
+stops calling the same collectives, e.g. after an exception), the others'
+collective fails after the process group's timeout. Either way dpfunc
+raises :class:`CollectiveError` (a ``RuntimeError``) naming the collective,
+the step and the likely cause. Set the timeout with
+``init(timeout_s=...)``: it must exceed the longest time one rank can spend
+between two collectives while the others wait (the first ``torch.compile``,
+``eval_fn``, a checkpoint write, the accountant). With NCCL, failures are
+detected by NCCL's watchdog, which by default aborts the process
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) instead of raising.
+
+**torch.compile.** The collectives run eagerly. Compile the local pieces:
+``step.accumulate`` and ``step.apply_reduced`` (noise, average and update
+on an already reduced sum); :class:`dpfunc.Trainer` with ``compile=True``
+does this.
+
+Usage (run with ``torchrun --nproc-per-node 2 script.py``)::
+
+    info = dpfunc.distributed.init(timeout_s=120)           # gloo on CPU, nccl on CUDA
+    step = dpfunc.distributed.make_train_step(loss_fn, opt, clip_norm=1.0,
+                                              noise_multiplier=1.1, expected_batch_size=256)
+    state = step.init(params)                                 # collective: rank 0's params
+    batches = dpfunc.data.PoissonBatches(dataset, 256 / n, 64, seed=0,
+                                         rank=info.rank, world_size=info.world_size)
+    for t in range(steps):
+        summed = step.zeros(state.params)
+        for batch, mask in batches.logical_batch(t)[0]:
+            summed, _ = step.accumulate(summed, state.params, batch, mask)
+        noise = dpfunc.standard_normal_like(state.params, seed=0, step=t)
+        state = step.apply(state, summed, noise)             # all-reduce, noise once, update
+    dpfunc.distributed.shutdown()
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import optim
+from .per_sample import LossFn
+from .step import ExampleStats, TrainState, TrainStep, summarize
+from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_structure
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "CollectiveError",
+    "DistributedTrainStep",
+    "ProcessInfo",
+    "all_reduce_sum",
+    "check_same_across_ranks",
+    "gather_flags",
+    "gather_stats",
+    "init",
+    "is_initialized",
+    "make_train_step",
+    "rank_and_world_size",
+    "shutdown",
+]
+
+DEFAULT_TIMEOUT_S = 300.0
+"""Seconds a collective waits for the other ranks before failing (``init``'s default)."""
+
+_timeout_s: float | None = None  # the timeout init() set, for error messages
+
+T = TypeVar("T")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: another rank probably died, hangs, or diverged."""
+
+
+class ProcessInfo(NamedTuple):
+    rank: int  # this process's rank, in [0, world_size)
+    world_size: int  # the number of processes
+    device: torch.device  # where this rank computes: cuda:LOCAL_RANK with nccl, else cpu
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def init(
+    backend: str | None = None,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> ProcessInfo:
+    """Initialises the default process group, with a timeout on every collective.
+
+    Under ``torchrun --nproc-per-node N script.py`` call it with no
+    arguments (besides ``timeout_s``): torchrun sets ``MASTER_ADDR``,
+    ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``, which the
+    default ``env://`` rendezvous reads.
+
+    Args:
+        backend: ``"gloo"`` or ``"nccl"``; ``None`` picks ``"nccl"`` when
+            CUDA is available and ``"gloo"`` otherwise.
+        timeout_s: seconds a collective (and the rendezvous) waits for the
+            other ranks before raising. It must exceed the longest time one
+            rank may work between two collectives while the others wait
+            (the first ``torch.compile``, evaluation, checkpoint writes).
+            A dead rank is usually detected sooner, when its connection
+            closes; a hung one only by this timeout.
+        init_method: a rendezvous URL such as ``"tcp://10.0.0.1:29500"``;
+            ``None`` means ``"env://"``.
+        rank, world_size: override ``RANK`` and ``WORLD_SIZE``.
+
+    Returns:
+        :class:`ProcessInfo` ``(rank, world_size, device)``. With NCCL the
+        current CUDA device is set to ``cuda:LOCAL_RANK`` first.
+
+    Raises:
+        ValueError: ``timeout_s`` is not a finite number > 0, or an unknown
+            ``backend``.
+        RuntimeError: ``torch.distributed`` is unavailable, a process group
+            is already initialised (call :func:`shutdown` first), the
+            ``env://`` variables are missing (launch with ``torchrun``), or
+            the rendezvous failed.
+    """
+    global _timeout_s
+    if (
+        isinstance(timeout_s, bool)
+        or not isinstance(timeout_s, (int, float))
+        or not 0 < timeout_s < math.inf
+    ):
+        raise ValueError(f"timeout_s must be a finite number > 0, got timeout_s={timeout_s!r}")
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this build of torch")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a torch.distributed process group is already initialised; call "
+            "dpfunc.distributed.shutdown() before init() again"
+        )
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo', 'nccl' or None, got backend={backend!r}")
+    if init_method is None or init_method == "env://":
+        needed = ["MASTER_ADDR", "MASTER_PORT"]
+        needed += ["RANK"] if rank is None else []
+        needed += ["WORLD_SIZE"] if world_size is None else []
+        missing = [name for name in needed if name not in os.environ]
+        if missing:
+            raise RuntimeError(
+                f"environment variables {missing} are not set: launch with "
+                "`torchrun --nproc-per-node N script.py`, or set MASTER_ADDR, MASTER_PORT, "
+                "RANK and WORLD_SIZE, or pass init_method, rank and world_size"
+            )
+    device = torch.device("cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend='nccl' needs CUDA; use backend='gloo' on CPU")
+        local_rank = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            rank=-1 if rank is None else rank,
+            world_size=-1 if world_size is None else world_size,
+        )
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"dpfunc.distributed.init: the {backend} rendezvous failed within "
+            f"timeout_s={timeout_s}: {error}. Check MASTER_ADDR/MASTER_PORT and that every "
+            "rank was started."
+        ) from error
+    _timeout_s = float(timeout_s)
+    return ProcessInfo(dist.get_rank(), dist.get_world_size(), device)
+
+
+def shutdown() -> None:
+    """Destroys the default process group, if any (call at the end of a script)."""
+    global _timeout_s
+    if is_initialized():
+        dist.destroy_process_group()
+    _timeout_s = None
+
+
+def is_initialized() -> bool:
+    """Whether a default ``torch.distributed`` process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world_size() -> tuple[int, int]:
+    """``(rank, world_size)`` of the default process group; ``(0, 1)`` without one."""
+    if not is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _require_group(who: str) -> None:
+    if not is_initialized():
+        raise RuntimeError(
+            f"{who} needs an initialised torch.distributed process group; call "
+            "dpfunc.distributed.init() first (and launch with torchrun)"
+        )
+
+
+# --------------------------------------------------------------------------- collectives
+
+
+def _collective(what: str, step: int | Tensor | None, fn: Callable[[], T]) -> T:
+    """Runs ``fn`` (a collective); turns a backend failure into a :class:`CollectiveError`.
+
+    ``step`` may be a 0-d tensor: it is read only if the collective fails.
+    """
+    try:
+        return fn()
+    except RuntimeError as error:  # DistBackendError / DistNetworkError are RuntimeErrors
+        rank, world_size = rank_and_world_size()
+        at = "" if step is None else f" at step {int(step)}"
+        timeout = (
+            f"timeout_s={_timeout_s:g}" if _timeout_s is not None else "the process group's timeout"
+        )
+        raise CollectiveError(
+            f"dpfunc.distributed: {what}{at} failed on rank {rank} of {world_size}. "
+            "Another rank has probably died or hangs (or stopped calling the same "
+            "collectives, e.g. after an exception); check the other ranks' logs. A dead "
+            f"rank fails the collective when its connection closes, a hung one after "
+            f"{timeout} (set it with dpfunc.distributed.init(timeout_s=...)). "
+            f"Cause: {error}"
+        ) from error
+
+
+def _small_device() -> torch.device:
+    """The device of small bookkeeping tensors: NCCL only moves CUDA tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce_sum(
+    tree: PyTree, *, step: int | Tensor | None = None, what: str | None = None
+) -> PyTree:
+    """The sum of ``tree`` over all ranks, as a new tree (the input is not changed).
+
+    Leaves are packed into one flat buffer per (dtype, device), so a model
+    costs one all-reduce per dtype (and one gradient-sized copy). Every rank
+    receives the same reduced tensors, bit for bit.
+
+    Args:
+        tree: a pytree of tensors with the same structure, shapes and dtypes
+            on every rank.
+        step: the step, for error messages only.
+        what: names the collective in error messages.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        CollectiveError: the all-reduce failed (a rank died, hangs or diverged).
+    """
+    _require_group("all_reduce_sum")
+    leaves = tree_leaves(tree)
+    what = what or "all_reduce (SUM)"
+    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for position, leaf in enumerate(leaves):
+        buckets.setdefault((leaf.dtype, leaf.device), []).append(position)
+    reduced: list[Tensor | None] = [None] * len(leaves)
+    for positions in buckets.values():
+        parts = [leaves[p] for p in positions]
+        flat = torch.cat([part.reshape(-1) for part in parts])  # a copy: inputs stay unchanged
+        _collective(what, step, lambda flat=flat: dist.all_reduce(flat, op=dist.ReduceOp.SUM))
+        for p, piece in zip(positions, flat.split([part.numel() for part in parts])):
+            reduced[p] = piece.view(leaves[p].shape)
+    return tree_structure(tree).unflatten(reduced)
+
+
+def gather_stats(stats: ExampleStats, *, step: int | Tensor | None = None) -> ExampleStats:
+    """Every rank's per-example stats, concatenated in rank order (for metrics).
+
+    Ranks may hold different numbers of rows. The result is the same on every
+    rank; :func:`dpfunc.summarize` of it gives whole-batch metrics (NOT
+    private). Costs two small all-gathers.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        CollectiveError: the all-gather failed.
+    """
+    _require_group("gather_stats")
+    world_size = dist.get_world_size()
+    device = stats.norm.device
+    size = torch.tensor([stats.mask.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    what = "all_gather of the per-example stats (metrics)"
+    _collective(what, step, lambda: dist.all_gather(sizes, size))
+    counts = [int(s) for s in sizes]
+    packed = torch.stack(
+        [
+            stats.loss.to(device=device, dtype=torch.float64),
+            stats.norm.to(torch.float64),
+            stats.scaled.to(device=device, dtype=torch.float64),
+            stats.mask.to(device=device, dtype=torch.float64),
+        ]
+    )
+    longest = max(counts)
+    padded = torch.nn.functional.pad(packed, (0, longest - packed.shape[1]))
+    gathered = [torch.empty_like(padded) for _ in range(world_size)]
+    _collective(what, step, lambda: dist.all_gather(gathered, padded))
+    joined = torch.cat([g[:, :count] for g, count in zip(gathered, counts)], dim=1)
+    return ExampleStats(
+        joined[0].to(device=stats.loss.device, dtype=stats.loss.dtype),
+        joined[1].to(stats.norm.dtype),
+        joined[2].to(device=stats.scaled.device) > 0,
+        joined[3].to(device=stats.mask.device) > 0,
+    )
+
+
+def _hash(value: Any) -> int:
+    digest = hashlib.sha256(repr(value).encode()).digest()
+    return int.from_bytes(digest[:8], "little", signed=True)
+
+
+def check_same_across_ranks(settings: Mapping[str, Any], what: str = "settings") -> None:
+    """Raises ``ValueError`` on every rank unless all ranks pass equal ``settings``.
+
+    Values are compared by a hash of their ``repr``; the keys must be the same
+    on every rank. One small all-gather.
+
+    Raises:
+        ValueError: a value differs between ranks (the message names its key).
+        RuntimeError: no process group is initialised.
+        CollectiveError: the all-gather failed.
+    """
+    _require_group("check_same_across_ranks")
+    keys = sorted(settings)
+    mine = torch.tensor(
+        [_hash(keys)] + [_hash(settings[k]) for k in keys],
+        dtype=torch.int64,
+        device=_small_device(),
+    )
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    _collective(f"all_gather of the {what}", None, lambda: dist.all_gather(everyone, mine))
+    table = torch.stack(everyone).cpu()
+    if not bool((table[:, 0] == table[0, 0]).all()):
+        raise ValueError(f"the ranks' {what} have different keys; this rank has {keys}")
+    for column, key in enumerate(keys, start=1):
+        if not bool((table[:, column] == table[0, column]).all()):
+            ranks = [r for r in range(table.shape[0]) if table[r, column] != table[0, column]]
+            raise ValueError(
+                f"{what}: {key} differs across ranks (ranks {ranks} differ from rank 0; "
+                f"rank {dist.get_rank()} has {key}={settings[key]!r}); every rank must use "
+                "the same value"
+            )
+
+
+def gather_flags(ok: bool, what: str, step: int | None = None) -> list[bool]:
+    """Every rank's ``ok`` flag, in rank order; a barrier that also reports failures.
+
+    A rank that failed at something the others need (rank 0 writing a
+    checkpoint, a rank loading one) still joins, so all ranks can raise
+    together instead of waiting for the timeout.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        CollectiveError: the all-gather failed (``what`` names it).
+    """
+    _require_group("gather_flags")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64, device=_small_device())
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size())]
+    _collective(what, step, lambda: dist.all_gather(flags, flag))
+    return [bool(f) for f in flags]
+
+
+# --------------------------------------------------------------------------- the step
+
+
+class DistributedTrainStep(TrainStep):
+    """A DP-SGD step whose logical batch is split across the ranks of a process group.
+
+    Build it with :func:`make_train_step`. ``zeros``, ``clip`` and
+    ``accumulate`` are the single-process ones (local, compilable).
+    ``apply`` all-reduces the clipped sum, then adds the noise once and
+    updates: ``apply = apply_reduced(state, all_reduce(summed), noise)``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        _require_group("dpfunc.distributed.make_train_step")
+        super().__init__(*args, **kwargs)
+        self.rank, self.world_size = rank_and_world_size()
+
+    def init(self, params: Params) -> TrainState:
+        """The state before the first step, with rank 0's ``params`` on every rank.
+
+        Collective (call it on every rank): rank 0's parameters are broadcast
+        (into copies; ``params`` is not changed), as DDP does, so ranks whose
+        models were initialised differently still start identical. Also
+        checks that the step's settings agree across ranks.
+
+        Raises:
+            ValueError: ``clip_norm``, ``noise_multiplier``,
+                ``expected_batch_size`` or ``clipping`` differ between ranks.
+            CollectiveError: a collective failed.
+        """
+        check_same_across_ranks(
+            {
+                "clip_norm": self.clip_norm,
+                "noise_multiplier": self.noise_multiplier,
+                "expected_batch_size": self.expected_batch_size,
+                "clipping": self.clipping,
+                "params": [(tuple(x.shape), str(x.dtype)) for x in tree_leaves(params)],
+            },
+            "make_train_step settings",
+        )
+        copies = tree_structure(params).unflatten([x.detach().clone() for x in tree_leaves(params)])
+        for leaf in tree_leaves(copies):
+            _collective(
+                "broadcast of rank 0's initial parameters",
+                None,
+                lambda leaf=leaf: dist.broadcast(leaf, src=0),
+            )
+        return super().init(copies)
+
+    def all_reduce(self, summed: Params, *, step: int | Tensor | None = None) -> Params:
+        """The clipped sum of the whole logical batch: ``summed`` summed over ranks.
+
+        ``step`` only labels error messages. Returns a new tree; the same
+        tensors (bit for bit) on every rank.
+        """
+        return all_reduce_sum(summed, step=step, what="all_reduce of the clipped gradient sum")
+
+    def apply_reduced(self, state: TrainState, summed: Params, noise: Params) -> TrainState:
+        """``TrainStep.apply`` on an already all-reduced sum: noise once, average, update.
+
+        No collective, so it compiles with ``torch.compile(fullgraph=True)``.
+        """
+        return TrainStep.apply(self, state, summed, noise)
+
+    def apply(self, state: TrainState, summed: Params, noise: Params) -> TrainState:
+        """All-reduces this rank's clipped sum, adds ``noise`` once, averages, updates.
+
+        Args:
+            state: the (identical) state on every rank.
+            summed: THIS rank's clipped sum of its share of the logical batch.
+            noise: ``standard_normal_like(params, seed, step)``, the same on
+                every rank (same seed and step).
+
+        Raises:
+            ValueError: ``summed`` or ``noise`` does not match the parameters.
+            CollectiveError: the all-reduce failed.
+        """
+        check_same_structure(noise, state.params, "noise", "params")
+        check_same_structure(summed, state.params, "summed", "params")
+        reduced = self.all_reduce(summed, step=state.step)
+        return self.apply_reduced(state, reduced, noise)
+
+    def gather_stats(
+        self, stats: ExampleStats, *, step: int | Tensor | None = None
+    ) -> ExampleStats:
+        """All ranks' per-example stats (see :func:`gather_stats`)."""
+        return gather_stats(stats, step=step)
+
+    def __call__(
+        self, state: TrainState, batch: PyTree, mask: Tensor | None, noise: Params
+    ) -> tuple[TrainState, dict[str, Tensor]]:
+        """One private step; each rank passes its own share in one micro-batch.
+
+        The metrics summarise the whole logical batch (all ranks' stats).
+        """
+        check_same_structure(noise, state.params, "noise", "params")
+        summed, stats = self.clip(state.params, batch, mask)
+        new_state = self.apply(state, summed, noise)
+        return new_state, summarize(self.gather_stats(stats, step=state.step))
+
+
+def make_train_step(
+    loss_fn: LossFn,
+    optimizer: optim.GradientTransformation,
+    *,
+    clip_norm: float,
+    noise_multiplier: float,
+    expected_batch_size: float,
+    clipping: str = "flat",
+    chunk_size: int | None = None,
+) -> DistributedTrainStep:
+    """:func:`dpfunc.make_train_step` for data-parallel training on a process group.
+
+    Same arguments, same state and the same result as the single-process
+    step on the concatenated batch (up to float summation order), with
+    ``expected_batch_size`` the GLOBAL expected batch size (``sample_rate *
+    num_examples`` of the whole dataset). Call everything on every rank:
+    ``init`` broadcasts rank 0's parameters; ``apply`` and ``__call__``
+    all-reduce the clipped sums, then add the shared ``noise`` once (see the
+    module docstring for why no broadcast is needed).
+
+    Raises:
+        RuntimeError: no process group is initialised (call :func:`init`).
+        ValueError, TypeError: as :func:`dpfunc.make_train_step`.
+    """
+    return DistributedTrainStep(
+        loss_fn,
+        optimizer,
+        clip_norm=clip_norm,
+        noise_multiplier=noise_multiplier,
+        expected_batch_size=expected_batch_size,
+        clipping=clipping,
+        chunk_size=chunk_size,
+    )
