@@ -1,0 +1,508 @@
+"""Benchmark one training step: plain PyTorch vs dpfunc vs Opacus, on four small models.
+
+Run from the repository root:
+
+    .venv/bin/python bench/run.py            # full run (6-10 minutes on 2 CPU cores)
+    .venv/bin/python bench/run.py --quick    # smoke run (< 2 minutes; skips torch.compile)
+    .venv/bin/python bench/run.py --out DIR  # write DIR/results.json and DIR/results.md
+
+For every workload, each method gets its own deep copy of one initialised model and
+the same fixed batch. After warm-up (torch.compile happens there; its time is reported
+separately) the methods are timed round-robin, one step each per repeat, so drift hits
+them alike; the table reports the median over the repeats during which other processes
+left the CPUs alone (or over all, when too few were quiet). A step is the whole update:
+forward, loss, backward, clipping and noise (DP methods), optimizer step. Peak memory is
+the extra memory one step needs above what the process held right before it: on CPU the
+growth of the resident set (peak reset through /proc/self/clear_refs), on CUDA
+torch.cuda.max_memory_allocated. Everything runs in float32 with torch's default threads.
+
+Adding a method is one entry in METHODS: name -> builder(model, x, y) -> (step, params),
+where step() performs one training step and params() returns the trained tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import gc
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+# A fresh inductor cache for this run, so "compile s" is a cold compile (set before torch loads).
+FRESH_CACHE = None
+if __name__ == "__main__" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    FRESH_CACHE = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp("-inductor")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
+import dpfunc  # noqa: E402
+
+# --- settings -----------------------------------------------------------------
+
+LR = 0.1  # SGD learning rate, every method
+CLIP_NORM = 1.0  # C, the per-example clip bound (DP methods)
+NOISE_MULTIPLIER = 1.0  # sigma; noise std is sigma * C
+SEED = 0  # model initialisation and data
+# steps per method: untimed warm-up, timed repeats, then extra steps for peak memory (max)
+FULL = {"warmup": 3, "repeats": 17, "memory_steps": 2}
+QUICK = {"warmup": 2, "repeats": 5, "memory_steps": 1}
+QUIET_LOAD = 0.25  # a repeat is quiet if other processes used fewer cores than this meanwhile
+MIN_QUIET = 5  # statistics use only the quiet repeats if there are this many, else all
+OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")  # Opacus grad_sample_mode values
+COMPILED = ("nonprivate_compiled", "dpfunc_compiled")  # methods --quick skips
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+warnings.filterwarnings("ignore", category=UserWarning)  # Opacus and vmap are chatty
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+class Unavailable(Exception):
+    """The library has no such method (yet); reported as 'unavailable: ...'."""
+
+
+# --- workloads: name -> () -> (model, inputs, labels) ------------------------------
+
+
+class TransformerClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1000, 128)
+        layer = nn.TransformerEncoderLayer(128, 4, 256, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, tokens):
+        return self.head(self.encoder(self.embed(tokens)).mean(1))
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1000, 64)
+        self.lstm = nn.LSTM(64, 128, batch_first=True)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, tokens):
+        _, (h, _) = self.lstm(self.embed(tokens))
+        return self.head(h[-1])
+
+
+def mlp():
+    model = nn.Sequential(
+        nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
+    return model, torch.randn(256, 784), torch.randint(10, (256,))
+
+
+def cnn():
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+    )  # fmt: skip
+    return model, torch.randn(64, 3, 32, 32), torch.randint(10, (64,))
+
+
+def transformer():
+    return TransformerClassifier(), torch.randint(1000, (32, 64)), torch.randint(10, (32,))
+
+
+def lstm():
+    return LSTMClassifier(), torch.randint(1000, (64, 32)), torch.randint(10, (64,))
+
+
+WORKLOADS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "lstm": lstm}
+
+
+# --- methods: name -> builder(model, x, y) -> (step, params) ----------------------
+
+
+def nonprivate(model, x, y, compile=False):
+    """Eager PyTorch; compiled: forward+loss under torch.compile (AOTAutograd compiles the
+    backward with it), the SGD step stays eager."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def forward_loss(x, y):
+        return F.cross_entropy(model(x), y)
+
+    loss_of = torch.compile(forward_loss) if compile else forward_loss
+
+    def step():
+        loss_of(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, lambda: list(model.parameters())
+
+
+def dpfunc_step(model, x, y, /, compile=False, **extra):
+    """dpfunc.make_train_step, called with a full mask; drawing the noise tree is timed too.
+    ``extra`` goes to make_train_step (e.g. a future method="ghost")."""
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        xi, yi = example
+        out = torch.func.functional_call(model, (p, buffers), (xi.unsqueeze(0),))
+        return F.cross_entropy(out, yi.unsqueeze(0))
+
+    train_step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=LR), clip_norm=CLIP_NORM,
+        noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=len(x), **extra,
+    )  # fmt: skip
+    call = torch.compile(train_step, fullgraph=True) if compile else train_step
+    mask = torch.ones(len(x), dtype=torch.bool, device=x.device)
+    box = {"state": train_step.init(params), "i": 0}
+
+    def step():
+        noise = dpfunc.standard_normal_like(box["state"].params, seed=SEED, step=box["i"])
+        box["state"], _ = call(box["state"], (x, y), mask, noise)
+        box["i"] += 1
+
+    return step, lambda: list(box["state"].params.values())
+
+
+def dpfunc_ghost(model, x, y):
+    """A hook for ghost clipping in dpfunc: measured once make_train_step accepts it."""
+    try:
+        return dpfunc_step(model, x, y, model=model, method="ghost")
+    except (TypeError, ValueError) as e:
+        raise Unavailable(short(e)) from e
+
+
+def opacus(model, x, y, mode):
+    """Opacus 1.6 make_private on a fixed batch (no Poisson sampling); modules not swapped."""
+    from opacus import PrivacyEngine
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    private = PrivacyEngine().make_private(
+        module=model, optimizer=opt, data_loader=loader, criterion=nn.CrossEntropyLoss(),
+        noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP_NORM,
+        poisson_sampling=False, grad_sample_mode=mode,
+    )  # fmt: skip
+    if mode == "ghost":  # ghost clipping also wraps the loss: it runs the second backward
+        gsm, dp_opt, criterion, _ = private
+    else:
+        (gsm, dp_opt, _), criterion = private, nn.CrossEntropyLoss()
+
+    def step():
+        criterion(gsm(x), y).backward()
+        dp_opt.step()
+        dp_opt.zero_grad(set_to_none=True)
+
+    return step, lambda: list(model.parameters())
+
+
+METHODS = {
+    "nonprivate": nonprivate,
+    "nonprivate_compiled": lambda m, x, y: nonprivate(m, x, y, compile=True),
+    "dpfunc_eager": dpfunc_step,
+    "dpfunc_compiled": lambda m, x, y: dpfunc_step(m, x, y, compile=True),
+    "dpfunc_ghost": dpfunc_ghost,
+    **{f"opacus_{m}": (lambda model, x, y, m=m: opacus(model, x, y, m)) for m in OPACUS_MODES},
+}
+
+
+# --- measuring ----------------------------------------------------------------
+
+
+def short(e: BaseException, limit: int = 140) -> str:
+    """``Type: first sentence`` of an exception, unwrapped from Opacus' error lists."""
+    text = re.sub(r"^\[?\w+Error\(['\"]", "", " ".join(str(e).split()))
+    text = f"{type(e).__name__}: " + re.split(r"(?<=\.)\s", text, maxsplit=1)[0]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def sync():
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(step) -> float:
+    """Seconds one call of ``step`` takes."""
+    sync()
+    start = time.perf_counter()
+    step()
+    sync()
+    return time.perf_counter() - start
+
+
+def _proc_status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise OSError(f"{field} not in /proc/self/status")
+
+
+def peak_mb(step) -> float:
+    """Extra memory (MiB) one call of ``step`` needs above what is held before it."""
+    sync()
+    gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        sync()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back, so reuse counts
+    before = _proc_status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak resident set size (VmHWM) to the current size
+    step()
+    return (_proc_status_kb("VmHWM") - before) / 1024
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(clock ticks all CPUs spent busy or stolen, ticks this process used); None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:9]]
+        with open("/proc/self/stat") as f:
+            own = f.read().rpartition(")")[2].split()
+    except (OSError, ValueError):
+        return None
+    busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait; includes steal
+    return busy, int(own[11]) + int(own[12])  # utime + stime, all threads
+
+
+def other_cores(before, after, seconds: float) -> float | None:
+    """CPU cores other processes (and the hypervisor) took between two cpu_ticks()."""
+    if before is None or after is None:
+        return None
+    others = (after[0] - before[0]) - (after[1] - before[1])
+    return max(0.0, others / os.sysconf("SC_CLK_TCK") / seconds)
+
+
+def bench_workload(name, methods, warmup: int, repeats: int, memory_steps: int, skip: dict):
+    """Builds, warms up, times (round-robin) and measures every method on one workload."""
+    torch.manual_seed(SEED)
+    model, x, y = WORKLOADS[name]()
+    model, x, y = model.to(DEVICE), x.to(DEVICE), y.to(DEVICE)
+    info = {
+        "batch_size": len(x),
+        "params": sum(p.numel() for p in model.parameters()),
+        "methods": {},
+    }
+    steps = {}
+    for method in methods:
+        out = info["methods"][method] = {"status": "ok"}
+        if method in skip:
+            out["status"] = skip[method]
+            continue
+        try:
+            step, params = METHODS[method](copy.deepcopy(model), x, y)
+            out["first_call_s"] = timed(step)  # compiles here for compiled methods
+            for _ in range(warmup - 1):
+                step()
+        except Unavailable as e:
+            out["status"] = f"unavailable: {e}"
+        except Exception as e:  # noqa: BLE001 - a method that fails is a result
+            out["status"] = f"unsupported: {short(e)}"
+        else:
+            steps[method] = (step, params)
+        print(f"  {name}/{method}: {out['status']}", flush=True)
+
+    samples, loads = {method: [] for method in steps}, []
+    order = list(steps)
+    for r in range(repeats):
+        ticks, start = cpu_ticks(), time.perf_counter()
+        for method in order[r % len(order) :] + order[: r % len(order)]:  # rotate the start
+            samples[method].append(timed(steps[method][0]) * 1000)
+        loads.append(other_cores(ticks, cpu_ticks(), time.perf_counter() - start))
+    quiet = [r for r, load in enumerate(loads) if load is None or load < QUIET_LOAD]
+    used = quiet if len(quiet) >= MIN_QUIET else list(range(repeats))
+    info.update(other_cores_per_repeat=loads, quiet_repeats=len(quiet), used_repeats=len(used))
+
+    for method, (step, params) in steps.items():
+        out, ms = info["methods"][method], sorted(samples[method][r] for r in used)
+        quartiles = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+        out.update(
+            median_ms=statistics.median(ms), q1_ms=quartiles[0], q3_ms=quartiles[2],
+            min_ms=ms[0], max_ms=ms[-1], samples_ms=[round(t, 3) for t in samples[method]],
+            median_all_repeats_ms=statistics.median(samples[method]),
+        )  # fmt: skip
+        out["iqr_ms"] = out["q3_ms"] - out["q1_ms"]
+        if method in COMPILED:
+            out["compile_s"] = max(0.0, out["first_call_s"] - out["median_ms"] / 1000)
+        try:
+            out["peak_mb"] = max(peak_mb(step) for _ in range(memory_steps))
+        except OSError as e:
+            out["peak_mb"] = None
+            out["memory_note"] = short(e)
+        if not all(torch.isfinite(p).all() for p in params()):
+            out["status"] = "ok, but parameters became non-finite"
+        print(f"  {name}/{method}: {out['median_ms']:.2f} ms, {out['peak_mb']} MB", flush=True)
+    del steps
+    gc.collect()
+    return info
+
+
+# --- reporting ----------------------------------------------------------------
+
+
+def fastest_opacus(methods: dict) -> str | None:
+    ran = [m for m in methods if m.startswith("opacus_") and "median_ms" in methods[m]]
+    return min(ran, key=lambda m: methods[m]["median_ms"]) if ran else None
+
+
+def ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a is not None and b else "-"
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown(results: dict) -> str:
+    machine = results["machine"]
+    load = f"{machine['load_average_at_start'][0]:.1f}, {machine['load_average_at_end'][0]:.1f}"
+    lines = [
+        "# dpfunc step benchmark",
+        "",
+        f"torch {machine['torch']}, opacus {machine['opacus']}, dpfunc {machine['dpfunc']}, "
+        f"python {machine['python']}; device {machine['device']} "
+        f"({machine['cpu_count']} CPU cores, {machine['torch_threads']} torch threads). "
+        f"Mode `{results['mode']}`: {results['settings']['warmup']} warm-up steps, "
+        f"{results['settings']['repeats']} timed steps per method, round-robin; "
+        f"total {results['total_s']:.0f} s; load average {load} (start, end).",
+        "",
+        f"A repeat (one step of every method) is quiet if other processes took under "
+        f"{QUIET_LOAD} cores meanwhile; with at least {MIN_QUIET} quiet repeats the statistics "
+        "use only those. "
+        "ms/step: median (interquartile range); min ms: the fastest step. x non-private: "
+        "over the eager non-private step. x best Opacus: over the fastest Opacus mode that "
+        "ran. peak MB: extra memory one step needs above what the process held before it. "
+        "compile s: first call minus a steady step (cold inductor cache).",
+        "",
+    ]
+    if results["mode"] == "quick":
+        lines += ["**Quick mode: compiled methods skipped (torch.compile takes 10-30 s per "
+                  "graph on this machine); run without --quick for them.**", ""]  # fmt: skip
+    for name, info in results["workloads"].items():
+        methods = info["methods"]
+        base = methods.get("nonprivate", {})
+        best = fastest_opacus(methods)
+        best_ms = methods[best]["median_ms"] if best else None
+        ran = {m: v for m, v in methods.items() if "median_ms" in v}
+        dp = [m for m in ran if m.startswith("dpfunc")]
+        summary = f"**{name}** (batch {info['batch_size']}, {info['params']:,} parameters): "
+        if dp:
+            fast = min(dp, key=lambda m: ran[m]["median_ms"])
+            summary += (
+                f"fastest dpfunc is `{fast}` at {ran[fast]['median_ms']:.1f} ms, "
+                f"{ratio(ran[fast]['median_ms'], base.get('median_ms'))} the non-private step"
+            )
+            summary += (
+                f" and {ratio(ran[fast]['median_ms'], best_ms)} `{best}` "
+                f"({best_ms:.1f} ms), the fastest Opacus mode."
+                if best
+                else "; no Opacus mode runs this model."
+            )
+        else:
+            summary += "no dpfunc method ran."
+        if ran:
+            repeats, used = results["settings"]["repeats"], info["used_repeats"]
+            if used < repeats:
+                summary += f" Statistics over the {used} quiet repeats of {repeats}."
+            elif info["quiet_repeats"] < MIN_QUIET:
+                summary += (
+                    f" Busy machine: only {info['quiet_repeats']} of {repeats} repeats "
+                    "were quiet, so these times are inflated; rerun when it is idle."
+                )
+            else:
+                summary += f" All {repeats} repeats were quiet."
+        if any(v["iqr_ms"] > 0.5 * v["median_ms"] for v in ran.values()):
+            summary += (" Noisy: some interquartile range exceeds half the median (a busy "
+                        "machine); the min column is closer to the unloaded speed.")  # fmt: skip
+        lines += [
+            f"## {name}",
+            "",
+            summary,
+            "",
+            "| method | ms/step | min ms | x non-private | x best Opacus | peak MB "
+            "| x non-private memory | compile s | status |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        ]
+        for method, v in methods.items():
+            ms = v.get("median_ms")
+            cells = [
+                f"`{method}`",
+                f"{ms:.2f} ({v['iqr_ms']:.2f})" if ms is not None else "-",
+                fmt(v.get("min_ms"), ".2f"),
+                ratio(ms, base.get("median_ms")),
+                ratio(ms, best_ms),
+                fmt(v.get("peak_mb"), ".1f"),
+                ratio(v.get("peak_mb"), base.get("peak_mb")),
+                fmt(v.get("compile_s"), ".1f"),
+                v["status"].replace("|", "/"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few repeats, no torch.compile")
+    parser.add_argument("--out", default="bench", help="folder for results.json and results.md")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
+    args = parser.parse_args()
+    settings = QUICK if args.quick else FULL
+    workloads, methods = args.workloads.split(","), args.methods.split(",")
+    for name in workloads + methods:
+        if name not in WORKLOADS and name not in METHODS:
+            parser.error(f"unknown workload or method {name!r}")
+    skip = {m: "skipped: --quick does not compile" for m in COMPILED} if args.quick else {}
+
+    import opacus
+
+    start = time.perf_counter()
+    results = {
+        "machine": {
+            "torch": torch.__version__, "opacus": opacus.__version__,
+            "dpfunc": dpfunc.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
+            "load_average_at_start": os.getloadavg(),
+        },
+        "mode": "quick" if args.quick else "full",
+        "settings": {
+            **settings, "lr": LR, "clip_norm": CLIP_NORM, "noise_multiplier": NOISE_MULTIPLIER,
+            "dtype": "float32", "quiet_load": QUIET_LOAD, "min_quiet": MIN_QUIET,
+        },
+        "workloads": {},
+    }  # fmt: skip
+    for name in workloads:
+        print(f"{name}:", flush=True)
+        results["workloads"][name] = bench_workload(name, methods, skip=skip, **settings)
+    results["total_s"] = time.perf_counter() - start
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    if FRESH_CACHE:
+        shutil.rmtree(FRESH_CACHE, ignore_errors=True)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    (out / "results.md").write_text(markdown(results))
+    print(markdown(results))
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'} in {results['total_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
