@@ -62,15 +62,22 @@ QUICK = {"warmup": 2, "repeats": 5, "memory_steps": 1}
 QUIET_LOAD = 0.25  # a repeat is quiet if other processes used fewer cores than this meanwhile
 MIN_QUIET = 5  # statistics use only the quiet repeats if there are this many, else all
 OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")  # Opacus grad_sample_mode values
-COMPILED = ("nonprivate_compiled", "dpfunc_compiled")  # methods --quick skips
+COMPILED = ("nonprivate_compiled", "dpfunc_vmap_compiled", "dpfunc_ghost_compiled")  # --quick skips
+# dpfunc's default step: make_train_step(..., model=model) compiled; eager where compile fails
+DEFAULT = ("dpfunc_ghost_compiled", "dpfunc_ghost")
+# targets for the default step: time over non-private, time over Opacus' ghost mode, memory
+TARGETS = {
+    "mlp": {"x_nonprivate": 2.0, "x_opacus_ghost": 1.0},
+    "cnn": {"x_nonprivate": 1.6, "x_opacus_ghost": 1.0},
+    "transformer": {"x_nonprivate": 2.5},
+    "lstm": {},
+}
+MEMORY_TARGET = 2.0  # peak memory of the default step over the non-private step, every workload
+ANALYSIS = Path(__file__).with_name("analysis.md")  # the profile behind any missed target
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 warnings.filterwarnings("ignore", category=UserWarning)  # Opacus and vmap are chatty
 warnings.filterwarnings("ignore", category=FutureWarning)
-
-
-class Unavailable(Exception):
-    """The library has no such method (yet); reported as 'unavailable: ...'."""
 
 
 # --- workloads: name -> () -> (model, inputs, labels) ------------------------------
@@ -148,9 +155,10 @@ def nonprivate(model, x, y, compile=False):
     return step, lambda: list(model.parameters())
 
 
-def dpfunc_step(model, x, y, /, compile=False, **extra):
-    """dpfunc.make_train_step, called with a full mask; drawing the noise tree is timed too.
-    ``extra`` goes to make_train_step (e.g. a future method="ghost")."""
+def dpfunc_step(model, x, y, /, method, compile=False):
+    """dpfunc.make_train_step(..., model=model, method=method), called with a full mask;
+    drawing the noise tree is timed too. ``method="auto"`` (the default) picks ghost
+    clipping where it covers the model and per-example gradients (vmap) elsewhere."""
     params, buffers = dpfunc.functionalize(model)
 
     def loss_fn(p, example):
@@ -160,7 +168,8 @@ def dpfunc_step(model, x, y, /, compile=False, **extra):
 
     train_step = dpfunc.make_train_step(
         loss_fn, dpfunc.optim.sgd(lr=LR), clip_norm=CLIP_NORM,
-        noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=len(x), **extra,
+        noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=len(x),
+        model=model, method=method,
     )  # fmt: skip
     call = torch.compile(train_step, fullgraph=True) if compile else train_step
     mask = torch.ones(len(x), dtype=torch.bool, device=x.device)
@@ -172,14 +181,6 @@ def dpfunc_step(model, x, y, /, compile=False, **extra):
         box["i"] += 1
 
     return step, lambda: list(box["state"].params.values())
-
-
-def dpfunc_ghost(model, x, y):
-    """A hook for ghost clipping in dpfunc: measured once make_train_step accepts it."""
-    try:
-        return dpfunc_step(model, x, y, model=model, method="ghost")
-    except (TypeError, ValueError) as e:
-        raise Unavailable(short(e)) from e
 
 
 def opacus(model, x, y, mode):
@@ -209,9 +210,10 @@ def opacus(model, x, y, mode):
 METHODS = {
     "nonprivate": nonprivate,
     "nonprivate_compiled": lambda m, x, y: nonprivate(m, x, y, compile=True),
-    "dpfunc_eager": dpfunc_step,
-    "dpfunc_compiled": lambda m, x, y: dpfunc_step(m, x, y, compile=True),
-    "dpfunc_ghost": dpfunc_ghost,
+    "dpfunc_vmap": lambda m, x, y: dpfunc_step(m, x, y, "vmap"),
+    "dpfunc_vmap_compiled": lambda m, x, y: dpfunc_step(m, x, y, "vmap", compile=True),
+    "dpfunc_ghost": lambda m, x, y: dpfunc_step(m, x, y, "auto"),
+    "dpfunc_ghost_compiled": lambda m, x, y: dpfunc_step(m, x, y, "auto", compile=True),
     **{f"opacus_{m}": (lambda model, x, y, m=m: opacus(model, x, y, m)) for m in OPACUS_MODES},
 }
 
@@ -308,8 +310,6 @@ def bench_workload(name, methods, warmup: int, repeats: int, memory_steps: int, 
             out["first_call_s"] = timed(step)  # compiles here for compiled methods
             for _ in range(warmup - 1):
                 step()
-        except Unavailable as e:
-            out["status"] = f"unavailable: {e}"
         except Exception as e:  # noqa: BLE001 - a method that fails is a result
             out["status"] = f"unsupported: {short(e)}"
         else:
@@ -367,6 +367,60 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def default_step(methods: dict) -> str | None:
+    """The method that measured dpfunc's default step on a workload, if any ran."""
+    return next((m for m in DEFAULT if "median_ms" in methods.get(m, {})), None)
+
+
+def targets_table(results: dict) -> list[str]:
+    """One row per workload: the default step's ratios against the targets."""
+    lines = [
+        "## Targets for the default step",
+        "",
+        "The default step is `make_train_step(..., model=model)` (ghost clipping where it "
+        "covers the model, vmap elsewhere) under `torch.compile(fullgraph=True)`, or eager "
+        "where Dynamo cannot trace the model. Targets: time over the eager non-private step, "
+        f"time over `opacus_ghost`, and peak memory at most {MEMORY_TARGET:g}x non-private.",
+        "",
+        "| workload | default step | ms/step | x non-private (target) | x opacus_ghost (target) "
+        "| x memory (target) | all met |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+
+    def check(value, limit):
+        if value is None:
+            return "-", True
+        if limit is None:
+            return f"{value:.2f}x", True
+        return f"{value:.2f}x (<= {limit:g}x)", value <= limit
+
+    for name, info in results["workloads"].items():
+        methods, target = info["methods"], TARGETS.get(name, {})
+        method = default_step(methods)
+        if method is None or "median_ms" not in methods.get("nonprivate", {}):
+            lines.append(f"| {name} | - | - | - | - | - | not measured |")
+            continue
+        v, base = methods[method], methods["nonprivate"]
+        ghost = methods.get("opacus_ghost", {}).get("median_ms")
+        cells = [
+            check(v["median_ms"] / base["median_ms"], target.get("x_nonprivate")),
+            check(v["median_ms"] / ghost if ghost else None, target.get("x_opacus_ghost")),
+            check(
+                v["peak_mb"] / base["peak_mb"]
+                if v.get("peak_mb") and base.get("peak_mb")
+                else None,
+                MEMORY_TARGET,
+            ),
+        ]
+        met = "yes" if all(ok for _, ok in cells) else "**no**"
+        lines.append(
+            f"| {name} | `{method}` | {v['median_ms']:.2f} | "
+            + " | ".join(text for text, _ in cells)
+            + f" | {met} |"
+        )
+    return lines
+
+
 def markdown(results: dict) -> str:
     machine = results["machine"]
     load = f"{machine['load_average_at_start'][0]:.1f}, {machine['load_average_at_end'][0]:.1f}"
@@ -392,6 +446,9 @@ def markdown(results: dict) -> str:
     if results["mode"] == "quick":
         lines += ["**Quick mode: compiled methods skipped (torch.compile takes 10-30 s per "
                   "graph on this machine); run without --quick for them.**", ""]  # fmt: skip
+    lines += targets_table(results) + [""]
+    if ANALYSIS.exists():
+        lines += [ANALYSIS.read_text().strip(), ""]
     for name, info in results["workloads"].items():
         methods = info["methods"]
         base = methods.get("nonprivate", {})

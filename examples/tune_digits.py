@@ -62,6 +62,7 @@ LRS = [0.5, 1.0, 2.0, 4.0, 8.0]  # SGD learning rates (normalized clipping: unit
 # stage 2: one change at a time from the demo's defaults; "lr_scale" times the schedule's lr
 VARIANTS = [
     dict(name="default"),
+    dict(name="pixels in [-1, 1], not centred", pixels="symmetric"),
     dict(name="pixels in [0, 1]", pixels="unit"),
     dict(name="momentum 0.5", momentum=0.5),
     dict(name="momentum 0.95", momentum=0.95),
@@ -73,6 +74,11 @@ VARIANTS = [
     dict(name="mlp, 32 tanh units", model="mlp", hidden=32, lr_scale=0.5),
 ]
 LR_FACTORS = [0.5, 1.0, 2.0]  # stage 2 learning-rate grid, relative to lr_scale * schedule lr
+# --smoke: two repeats, one budget, a two-point grid; checks that the script runs
+SMOKE = dict(
+    TARGET_EPSILONS=[3.0], REPEATS=2, SAMPLE_RATES=[1.0], STEPS=[4], LRS=[2.0],
+    VARIANTS=VARIANTS[:2], LR_FACTORS=[1.0],
+)  # fmt: skip
 
 
 def split(train_set, repeat: int):
@@ -84,18 +90,20 @@ def split(train_set, repeat: int):
     return (x_fit, y_fit), (x_val, y_val)
 
 
-def main(stage: int | None, out: str) -> None:
+def main(stage: int | None, out: str, smoke: bool = False) -> None:
+    if smoke:
+        globals().update(SMOKE)
     torch.set_num_threads(digits.THREADS)
     logging.getLogger("absl").setLevel(logging.ERROR)
     os.makedirs(out, exist_ok=True)
     data = {  # the demo's training 80% only: no test data
         pixels: [split(digits.load_data(pixels)[0], r) for r in range(REPEATS)]
-        for pixels in ("symmetric", "unit")
+        for pixels in ("centered", "symmetric", "unit")
     }
     sigmas = {}  # (epsilon, sample_rate, steps) -> calibrated noise multiplier
     results = []
 
-    def score(stage, name, epsilon, sample_rate, steps, lr, pixels="symmetric", **config):
+    def score(stage, name, epsilon, sample_rate, steps, lr, pixels=digits.PIXELS, **config):
         """Mean validation accuracy over the REPEATS of one candidate."""
         key = (epsilon, sample_rate, steps)
         if epsilon is None:
@@ -165,6 +173,7 @@ def main(stage: int | None, out: str) -> None:
     if stage in (None, 2):
         for epsilon in TARGET_EPSILONS:
             steps, lr = digits.SCHEDULE[epsilon]
+            steps = STEPS[0] if smoke else steps
             for variant in VARIANTS:
                 config = {k: v for k, v in variant.items() if k not in ("name", "lr_scale")}
                 for factor in LR_FACTORS:
@@ -191,5 +200,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", type=int, choices=[1, 2], help="run only this stage")
     parser.add_argument("--out", default="results", help="directory for the JSON results")
+    parser.add_argument("--smoke", action="store_true", help="two repeats, a tiny grid")
     args = parser.parse_args()
-    main(args.stage, args.out)
+    main(args.stage, args.out, args.smoke)
