@@ -278,9 +278,18 @@ class _UseTracker(TorchFunctionMode):
 
 
 def analyse(
-    model: nn.Module, hooks: GhostHooks, loss_fn, params: Params, example: PyTree
+    model: nn.Module,
+    hooks: GhostHooks,
+    loss_fn,
+    params: Params,
+    example: PyTree,
+    method: str = "ghost",
 ) -> GhostPlan:
     """Runs ``loss_fn(params, example)`` once, eagerly, and decides what to ghost.
+
+    ``method="auto"`` also leaves to vmap every module for which ghost clipping
+    would cost more than materialising its per-example gradient (see
+    :func:`ghost_is_cheaper`); ``"ghost"`` ghosts every module it can.
 
     A covered module (see :func:`covered_kind`) with trainable parameters is
     ghosted only if, during this one call, it ran exactly once through its
@@ -315,7 +324,7 @@ def analyse(
             handle.remove()
 
     shared = _shared_parameters(model)
-    modules, reasons, ghosted, disqualified = [], [], set(), []
+    modules, reasons, ghosted, left = [], [], set(), []  # left: paths left to vmap
     for path, module in hooks.modules.items():
         kind, _ = covered_kind(module)
         wanted = [
@@ -329,9 +338,14 @@ def analyse(
         why = _disqualify(path, module, wanted, analysis, shared)
         if why:
             reasons.append(f"{path!r}: {why}")
-            disqualified.append((path, why))
+            left.append(path)
             continue
         output = analysis.outputs[path]
+        if method == "auto" and not ghost_is_cheaper(
+            kind, module, analysis.inputs[path][0], output
+        ):
+            left.append(path)  # a cost choice, not a fallback: no reason to report
+            continue
         modules.append(
             GhostModule(
                 path=path,
@@ -343,9 +357,7 @@ def analyse(
             )
         )
         ghosted.update(name for _, name in wanted)
-    explained = {
-        name for path, why in disqualified for name in _own_names(path, hooks.modules[path])
-    }
+    explained = {name for path in left for name in _own_names(path, hooks.modules[path])}
     no_rule: dict[str, list[str]] = {}
     for name in params:
         if name not in ghosted and name not in explained:
@@ -358,6 +370,33 @@ def analyse(
         reasons.append(f"{owner!r}: {why} (parameters {names})")
     covered = tuple(name for m in modules for _, name in m.attrs)
     return GhostPlan(tuple(modules), tuple(reasons), covered)
+
+
+def ghost_is_cheaper(kind: str, module: nn.Module, x: Tensor, output: Tensor) -> bool:
+    """Whether ghost norms beat materialising the per-example weight gradient.
+
+    ``x`` and ``output`` are one example's input and output of ``module``. A
+    weight gradient that is a sum over ``T`` positions of ``d_out x d_in``
+    outer products has a per-example norm from the ``T x T`` Gram matrices in
+    ``T^2 (d_in + d_out)`` operations, against ``d_in * d_out`` numbers for the
+    gradient itself (``T = 1``: the rank-one form, always cheaper). For a
+    convolution the positions are the output pixels and ``d_in`` a patch of
+    the unfolded input; for an embedding the Gram matrix over the ``T`` tokens
+    is compared with the ``num_embeddings x dim`` table. Normalisation layers'
+    affine gradients are tiny either way.
+    """
+    if kind == "linear":
+        d_in, d_out = module.in_features, module.out_features
+        t = x.numel() // d_in
+    elif kind == "conv":
+        d_in = module.in_channels // module.groups * math.prod(module.kernel_size)
+        d_out = module.out_channels // module.groups
+        t = output.numel() // module.out_channels  # output positions (of every image)
+    elif kind == "embedding":
+        return x.numel() ** 2 < module.num_embeddings
+    else:
+        return True
+    return t == 1 or t * t < d_in * d_out
 
 
 def _own_names(path: str, module: nn.Module) -> list[str]:
@@ -458,29 +497,44 @@ class GhostClipper:
         try:
             skeleton = _skeleton(batch, leaves)
         except TypeError as error:
-            return _plan_for(self, ("unsupported", str(error)), None, ())
-        key = (
-            tuple((k, tuple(v.shape), v.dtype) for k, v in params.items()),
-            skeleton,
-            tuple((tuple(x.shape[1:]), x.dtype) for x in leaves),
-        )
-        return _plan_for(self, key, skeleton, tuple(params), *params.values(), *leaves)
+            return _plan_for(self, ("unsupported", str(error)), ())
+        return _plan_for(self, skeleton, tuple(params), *params.values(), *leaves)
 
 
 @torch.compiler.assume_constant_result
-def _plan_for(clipper: GhostClipper, key, skeleton, names, *tensors) -> GhostPlan:
+def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
     # Runs eagerly, also when the step is being compiled: Dynamo calls it with the
-    # real tensors and bakes the returned plan into the graph as a constant.
+    # real tensors and bakes the returned plan into the graph as a constant. The
+    # cache key is computed here, from those real tensors, because under automatic
+    # dynamic shapes (a second model or batch size in one process) the traced
+    # shapes are symbolic and cannot be passed in as constants. A plan baked into
+    # a graph that is later reused for other per-example shapes is caught by the
+    # shape check in ``_Run.after_forward``.
+    if isinstance(skeleton, tuple) and skeleton[0] == "unsupported":
+        key = skeleton
+    else:
+        params, leaves = tensors[: len(names)], tensors[len(names) :]
+        key = (
+            tuple((k, tuple(v.shape), v.dtype) for k, v in zip(names, params)),
+            skeleton,
+            tuple((tuple(x.shape[1:]), x.dtype) for x in leaves),
+        )
     plan = clipper.plans.get(key)
     if plan is not None:
         return plan
     if key[0] == "unsupported":
         plan = GhostPlan((), (key[1],))
     else:
-        params = dict(zip(names, tensors[: len(names)]))
-        example = _rebuild(skeleton, iter(t[0] for t in tensors[len(names) :]))
+        example = _rebuild(skeleton, iter(t[0] for t in leaves))
         try:
-            plan = analyse(clipper.model, clipper.hooks, clipper.loss_fn, params, example)
+            plan = analyse(
+                clipper.model,
+                clipper.hooks,
+                clipper.loss_fn,
+                dict(zip(names, params)),
+                example,
+                clipper.method,
+            )
         except Exception as error:  # the loss could not run under the analysis
             plan = GhostPlan((), (f"the analysis pass failed: {type(error).__name__}: {error}",))
     clipper.plans[key] = plan
@@ -518,6 +572,11 @@ class _Run:
             raise RuntimeError(
                 f"dpfunc ghost clipping: module {path!r} ran twice in one example, but only "
                 "once in the analysis pass; use method='vmap' for this loss"
+            )
+        if output.shape != probe.shape:
+            raise RuntimeError(
+                f"dpfunc ghost clipping: module {path!r} returned shape {tuple(output.shape)} "
+                f"per example, but the plan was made for {tuple(probe.shape)}"
             )
         self.inputs[path] = _module_input(args, kwargs)
         return output + probe

@@ -15,7 +15,8 @@ Two ways to the clipped sum (``method``): ``"vmap"`` materialises every
 example's gradient; ``"ghost"`` (with ``model=``) gets the per-example norms and
 the clipped sum from each covered layer's inputs and output gradients without
 materialising per-example gradients (see :mod:`dpfunc.ghost`), falling back to
-vmap for the parameters it cannot handle. Both give the same sum.
+vmap for the parameters it cannot handle; ``"auto"`` (the default) ghosts only
+the layers where that is cheaper. All give the same sum.
 """
 
 from __future__ import annotations
@@ -289,9 +290,16 @@ def make_train_step(
             ``"ghost"`` (ghost clipping with book-keeping, Li et al. 2022,
             Bu et al. 2023: per-example norms and the clipped sum from each
             covered layer's input and output gradient; needs ``model``) or
-            ``"auto"`` (ghost when ``model`` is given, else vmap). Ghost
-            covers ``Linear``, ``Embedding``, ``Conv1d``/``Conv2d``,
-            ``LayerNorm`` and ``GroupNorm``; every other parameter, and any
+            ``"auto"`` (the default: with ``model``, ghost clipping for each
+            covered module whose per-example norm is cheaper from its inputs
+            and output gradients than from its materialised gradient, i.e. a
+            Linear or convolution with ``T`` positions per example and
+            ``T = 1`` or ``T^2 < d_in * d_out``, an Embedding with ``T^2 <
+            num_embeddings``, and normalisation layers; vmap for the rest, and
+            plain vmap when that leaves nothing to ghost; without ``model``,
+            vmap). Ghost covers ``Linear``, ``Embedding``,
+            ``Conv1d``/``Conv2d``, ``LayerNorm`` and ``GroupNorm``; every
+            other parameter, and any
             covered module it cannot vouch for (called twice, inside a
             nested ``torch.func`` transform, tied or used outside its call),
             gets per-example gradients from vmap in the same pass, or the

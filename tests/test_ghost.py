@@ -317,6 +317,44 @@ def test_module_called_twice_falls_back_for_that_module_only():
         assert_ghost_equals_vmap(Twice(), torch.randn(B, 4) * 2, ghosted=["b"])
 
 
+def test_auto_ghosts_only_where_it_is_cheaper():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(2, 4, 3)  # 36 output positions: 36^2 > 18 * 4, materialise
+            self.seq = nn.Linear(16, 16)  # 4 positions: 4^2 < 16 * 16, Gram form
+            self.head = nn.Linear(64, 3)  # one position: rank-one form
+
+        def forward(self, x):
+            h = F.avg_pool2d(torch.tanh(self.conv(x)), 3)  # [N, 4, 2, 2]
+            h = torch.tanh(self.seq(h.flatten(2).repeat(1, 1, 4)))  # [N, 4, 16]
+            return self.head(h.flatten(1))
+
+    model = Mixed().double()
+    params, loss_fn = problem(model, classify)
+    batch = (torch.randn(B, 2, 8, 8, dtype=torch.float64), torch.randint(0, 3, (B,)))
+    auto = GhostClipper(model, loss_fn, "auto").plan(params, batch)
+    assert [m.path for m in auto.modules] == ["seq", "head"] and not auto.reasons
+    ghost = GhostClipper(model, loss_fn, "ghost").plan(params, batch)
+    assert [m.path for m in ghost.modules] == ["conv", "seq", "head"]
+    args = dict(clip_norm=0.3, noise_multiplier=0.0, expected_batch_size=B)
+    mask = torch.ones(B)
+    want, _ = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=1.0), **args).clip(
+        params, batch, mask
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a cost choice is not a fallback: nothing to warn
+        step = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=1.0), model=model, **args)
+        got, _ = step.clip(params, batch, mask)
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-10, atol=1e-12)
+    # nothing worth ghosting: the plain vmap path, no warning
+    conv_only = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Flatten())
+    params, loss_fn = problem(conv_only)
+    x = torch.randn(B, 2, 8, 8, dtype=torch.float64)
+    assert not GhostClipper(conv_only, loss_fn, "auto").plan(params, x).modules
+
+
 def test_construction_checks():
     model = nn.Linear(3, 1)
     params, loss_fn = problem(model)
@@ -384,3 +422,31 @@ def test_compiled_ghost_step_equals_eager_with_one_graph():
     assert counter.frame_count == 1
     (plan,) = step._ghost.plans.values()
     assert [m.path for m in plan.modules] == ["0", "1", "3"]
+    # A second model of other shapes in the same process: Dynamo recompiles the step's
+    # code with automatic dynamic shapes, so the parameter shapes are symbolic while
+    # tracing; the planner must still find the plan (from the real tensors).
+    other = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    other_params, other_buffers = dpfunc.functionalize(other)
+
+    def other_loss(p, example):
+        x, y = example
+        out = functional_call(other, (p, other_buffers), (x.unsqueeze(0),))
+        return F.cross_entropy(out, y.unsqueeze(0))
+
+    other_step = dpfunc.make_train_step(
+        other_loss,
+        dpfunc.optim.sgd(lr=0.1),
+        clip_norm=0.5,
+        noise_multiplier=1.0,
+        expected_batch_size=8,
+        model=other,
+        method="ghost",
+    )
+    noise = dpfunc.standard_normal_like(other_params, seed=0, step=0)
+    state = other_step.init(other_params)
+    got, _ = torch.compile(other_step, backend=CompileCounter(), fullgraph=True)(
+        state, batch, mask, noise
+    )
+    want, _ = other_step(state, batch, mask, noise)
+    for k in other_params:
+        torch.testing.assert_close(got.params[k], want.params[k])
