@@ -42,6 +42,7 @@ For example, ``noise_multiplier=1.5``, ``sample_rate=0.04``,
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import numbers
 from typing import Any
@@ -141,6 +142,18 @@ def _make_accountant(method: str) -> dp_accounting.PrivacyAccountant:
             value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL,
         )
     return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+
+
+@contextlib.contextmanager
+def _quiet_absl():
+    """Silences dp_accounting's warnings (logged through absl) inside the block."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _run_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_accounting.DpEvent:
@@ -289,8 +302,9 @@ def calibrate_noise_multiplier(
     # First guess and initial growth factor of the bracket.
     guess, factor = 1.0, 2.0
     if method == "pld":
-        # Outside RDP's search range: let PLD's own bracketing decide.
-        with contextlib.suppress(ValueError):
+        # Outside RDP's search range: let PLD's own bracketing decide. RDP's notes
+        # about orders it excludes concern only this guess, which PLD then checks.
+        with contextlib.suppress(ValueError), _quiet_absl():
             guess, factor = calibrate_noise_multiplier(target, delta, rate, steps, "rdp"), 1.1
 
     # Bracket: eps(lo) > target >= eps(hi), growing the step geometrically.

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import os
 import statistics
@@ -201,7 +200,6 @@ def accuracy(net: nn.Module, data) -> float:
 
 def main(smoke: bool, out: str) -> None:
     torch.set_num_threads(THREADS)
-    logging.getLogger("absl").setLevel(logging.ERROR)  # dp_accounting's RDP convergence notes
     targets, seeds = TARGET_EPSILONS, SEEDS
     if smoke:
         targets, seeds = SMOKE["TARGET_EPSILONS"], SMOKE["SEEDS"]

@@ -50,7 +50,6 @@ Run (about a minute on a CPU):
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import time
@@ -64,7 +63,6 @@ import dpfunc
 
 # The noise calibration's first guess (dp-accounting's RDP accountant) logs harmless
 # "failed to converge ... Excluding this order" warnings for some settings; hide them.
-logging.getLogger("absl").setLevel(logging.ERROR)
 
 # --- settings ---------------------------------------------------------------
 NUM_SENSORS = 20_000  # private collocation points (sensor locations), uniform in the square

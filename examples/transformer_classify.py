@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import time
 
@@ -46,7 +45,6 @@ import dpfunc
 
 # The noise calibration's first guess (dp-accounting's RDP accountant) logs harmless
 # "failed to converge ... Excluding this order" warnings for some settings; hide them.
-logging.getLogger("absl").setLevel(logging.ERROR)
 
 # --- settings ---------------------------------------------------------------
 VOCAB_SIZE = 8  # tokens 0 .. VOCAB_SIZE - 1

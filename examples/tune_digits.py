@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import logging
 import os
 import statistics
 import time
@@ -94,7 +93,6 @@ def main(stage: int | None, out: str, smoke: bool = False) -> None:
     if smoke:
         globals().update(SMOKE)
     torch.set_num_threads(digits.THREADS)
-    logging.getLogger("absl").setLevel(logging.ERROR)
     os.makedirs(out, exist_ok=True)
     data = {  # the demo's training 80% only: no test data
         pixels: [split(digits.load_data(pixels)[0], r) for r in range(REPEATS)]
