@@ -368,8 +368,18 @@ def fmt(value, spec: str) -> str:
 
 
 def default_step(methods: dict) -> str | None:
-    """The method that measured dpfunc's default step on a workload, if any ran."""
-    return next((m for m in DEFAULT if "median_ms" in methods.get(m, {})), None)
+    """The method that measured dpfunc's default step on a workload, if any ran.
+
+    The eager fallback stands in only where compiling failed, not where it was skipped.
+    """
+    compiled = methods.get(DEFAULT[0], {})
+    if "median_ms" in compiled:
+        return DEFAULT[0]
+    if compiled.get("status", "").startswith("unsupported") and "median_ms" in methods.get(
+        DEFAULT[1], {}
+    ):
+        return DEFAULT[1]
+    return None
 
 
 def targets_table(results: dict) -> list[str]:
@@ -398,7 +408,8 @@ def targets_table(results: dict) -> list[str]:
         methods, target = info["methods"], TARGETS.get(name, {})
         method = default_step(methods)
         if method is None or "median_ms" not in methods.get("nonprivate", {}):
-            lines.append(f"| {name} | - | - | - | - | - | not measured |")
+            why = methods.get(DEFAULT[0], {}).get("status", "not run")
+            lines.append(f"| {name} | - | - | - | - | - | not measured ({why}) |")
             continue
         v, base = methods[method], methods["nonprivate"]
         ghost = methods.get("opacus_ghost", {}).get("median_ms")
