@@ -151,16 +151,16 @@ def dataset_size(dataset: Any) -> int:
     Supported datasets, checked in this order:
 
     (a) a ``Tensor`` of rows along dim 0;
-    (b) a tuple or list whose elements are ALL tensors, read as columns with
-        a common leading size (e.g. ``(x, y)``). A list of per-example
-        tensors is read this way too; wrap it in a ``TensorDataset`` of a
-        stacked tensor instead;
+    (b) a tuple whose elements are ALL tensors, read as columns with a
+        common leading size (e.g. ``(x, y)``). A list of tensors is refused:
+        it could be columns or one tensor per example, and reading examples
+        as columns would clip across people;
     (c) a ``torch.utils.data.TensorDataset``;
     (d) any object with ``__len__`` and ``__getitem__(int)`` returning a
         tensor, a number, or a (nested) tuple / dict of them.
 
     Raises:
-        TypeError: ``dataset`` is none of these.
+        TypeError: ``dataset`` is none of these, or a list of tensors.
         ValueError: a 0-d tensor, or columns of (b) with different leading sizes.
     """
     if isinstance(dataset, Tensor):
@@ -169,6 +169,12 @@ def dataset_size(dataset: Any) -> int:
         return dataset.shape[0]
     if _is_columns(dataset):
         return _columns_size(dataset)
+    if isinstance(dataset, list) and dataset and all(isinstance(t, Tensor) for t in dataset):
+        raise TypeError(
+            f"dataset is a list of {len(dataset)} tensors, which is ambiguous: pass columns "
+            "as a tuple, e.g. (x, y), or one tensor per example stacked into a Tensor or a "
+            "TensorDataset"
+        )
     if isinstance(dataset, TensorDataset):
         return len(dataset)
     if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
@@ -177,6 +183,37 @@ def dataset_size(dataset: Any) -> int:
         "dataset must be a Tensor, a tuple/list of tensors, a TensorDataset, or an "
         f"object with __len__ and __getitem__; got dataset of type {type(dataset).__name__}"
     )
+
+
+def dataset_fingerprint(dataset: Any, rows: int = 64) -> str:
+    """A SHA-256 of ``dataset``'s size and contents, to check that ranks hold the same data.
+
+    Tensor datasets ((a) to (c) of :func:`dataset_size`) are hashed whole;
+    other indexable datasets through ``rows`` evenly spaced examples (and
+    their size). Data-parallel DP-SGD needs the SAME dataset in the same order
+    on every rank: index ``i`` must be the same person everywhere, or one
+    person could be sampled on two ranks in one step.
+    """
+    size = dataset_size(dataset)
+    digest = hashlib.sha256(str(size).encode())
+    if isinstance(dataset, TensorDataset):
+        tensors = list(dataset.tensors)
+    elif isinstance(dataset, Tensor):
+        tensors = [dataset]
+    elif _is_columns(dataset):
+        tensors = list(dataset)
+    else:
+        picks = sorted({round(k * (size - 1) / max(rows - 1, 1)) for k in range(rows)})
+        tensors = [
+            leaf if isinstance(leaf, Tensor) else torch.as_tensor(leaf)
+            for i in (picks if size else [])
+            for leaf in optree.tree_leaves(dataset[i])
+        ]
+    for t in tensors:
+        t = t.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def micro_batches(
@@ -418,7 +455,7 @@ def _share_size(count: int, rank: int, world_size: int) -> int:
 
 def _is_columns(dataset: Any) -> bool:
     return (
-        isinstance(dataset, (tuple, list))
+        isinstance(dataset, tuple)
         and len(dataset) > 0
         and all(isinstance(t, Tensor) for t in dataset)
     )
@@ -464,8 +501,7 @@ def _gather(dataset: Any, indices: Tensor, count: int) -> PyTree:
     if isinstance(dataset, Tensor):
         return dataset.index_select(0, indices.to(dataset.device))
     if _is_columns(dataset):
-        gathered = [t.index_select(0, indices.to(t.device)) for t in dataset]
-        return tuple(gathered) if isinstance(dataset, tuple) else gathered
+        return tuple(t.index_select(0, indices.to(t.device)) for t in dataset)
     if isinstance(dataset, TensorDataset):
         return tuple(t.index_select(0, indices.to(t.device)) for t in dataset.tensors)
     return _gather_items(dataset, indices, count)

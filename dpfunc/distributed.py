@@ -89,7 +89,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from . import optim
 from .per_sample import LossFn
@@ -529,6 +529,8 @@ def make_train_step(
     expected_batch_size: float,
     clipping: str = "flat",
     chunk_size: int | None = None,
+    model: nn.Module | None = None,
+    method: str = "auto",
 ) -> DistributedTrainStep:
     """:func:`dpfunc.make_train_step` for data-parallel training on a process group.
 
@@ -552,4 +554,6 @@ def make_train_step(
         expected_batch_size=expected_batch_size,
         clipping=clipping,
         chunk_size=chunk_size,
+        model=model,
+        method=method,
     )

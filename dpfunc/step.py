@@ -195,7 +195,12 @@ class TrainStep:
                 f"mask must have shape ({size},) to match the batch, got {tuple(mask.shape)}"
             )
         mask = mask.to(torch.bool)
-        if self._ghost is not None and size > 0:
+        if size == 0:  # an empty share (e.g. one rank's): nothing to differentiate
+            dtype = next(iter(params.values())).dtype
+            empty = torch.zeros(0, dtype=dtype, device=mask.device)
+            stats = ExampleStats(empty, empty.to(torch.float64), mask, mask)
+            return tree_zeros_like(params), stats
+        if self._ghost is not None:
             plan = self._ghost.plan(params, batch)
             if plan.modules:
                 summed, losses, total, scaled = ghost_clip(

@@ -30,12 +30,13 @@ from typing import Any
 
 import optree
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from . import distributed as _distributed
 from . import optim
 from .accounting import Accountant, calibrate_noise_multiplier
-from .data import PoissonBatches, dataset_size
+from .data import PoissonBatches, dataset_fingerprint, dataset_size
 from .noise import standard_normal_like
 from .per_sample import LossFn
 from .step import ExampleStats, TrainState, make_train_step, summarize
@@ -78,6 +79,9 @@ class Trainer:
             every ``checkpoint_every`` steps if given).
         progress: show a tqdm bar with loss, epsilon and examples/s.
         chunk_size: passed to :func:`~dpfunc.per_sample_grads`.
+        model: the ``nn.Module`` that ``loss_fn`` calls; enables ghost
+            clipping where it is cheaper (``make_train_step(model=...)``,
+            ``method="auto"``). The result is the same either way.
         distributed: data-parallel training over the default
             ``torch.distributed`` process group (``dpfunc.distributed.init()``
             under ``torchrun``). ``None`` (default) turns it on exactly when a
@@ -122,6 +126,7 @@ class Trainer:
         checkpoint_every: int | None = None,
         progress: bool = True,
         chunk_size: int | None = None,
+        model: nn.Module | None = None,
         distributed: bool | None = None,
     ):
         n = dataset_size(dataset)
@@ -210,6 +215,7 @@ class Trainer:
                     "epsilon_budget": epsilon_budget,
                     "delta": delta,
                     "accounting": accounting,
+                    "dataset": dataset_fingerprint(dataset),
                 },
                 "Trainer settings",
             )
@@ -222,6 +228,7 @@ class Trainer:
             expected_batch_size=expected_batch_size,
             clipping=clipping,
             chunk_size=chunk_size,
+            model=model,
         )
         self._accumulate = self.step_fn.accumulate
         # distributed: the all-reduce runs eagerly between the compiled pieces
@@ -240,6 +247,7 @@ class Trainer:
         self.state: TrainState = self.step_fn.init(params)  # distributed: rank 0's params
         self.accountant = Accountant(method=accounting)
         self.history: list[dict[str, float]] = []
+        self._budget_steps: int | None = None  # see _last_step_within_budget
 
     @property
     def params(self) -> Params:
@@ -254,8 +262,26 @@ class Trainer:
         return self.accountant.epsilon(self.delta)
 
     def train_step(self) -> dict[str, float]:
-        """One logical DP-SGD step; returns its (non-private) metrics as floats."""
+        """One logical DP-SGD step; returns its (non-private) metrics as floats.
+
+        Raises:
+            RuntimeError: the planned ``total_steps`` are done, or one more
+                step would take epsilon past ``epsilon_budget`` (a calibrated
+                ``target_epsilon`` holds for the planned steps only).
+        """
         t = self.steps_done
+        if t >= self._last_step_within_budget():
+            limit = (
+                f"epsilon_budget={self.epsilon_budget!r} at delta={self.delta!r}"
+                if t < self.total_steps
+                else f"the planned total_steps={self.total_steps}"
+            )
+            raise RuntimeError(f"step {t + 1} would exceed {limit}; training is over")
+        if int(self.state.step) != t:
+            raise RuntimeError(
+                f"the optimizer has taken {int(self.state.step)} steps but the accountant "
+                f"counted {t}; the trainer's state is inconsistent (load a checkpoint)"
+            )
         micro_batches, _ = self.batches.logical_batch(t)
         summed, stats = self.step_fn.zeros(self.state.params), []
         for batch, mask in micro_batches:
@@ -267,8 +293,9 @@ class Trainer:
             stats = self.step_fn.gather_stats(stats, step=t)
         # the same noise on every rank (same seed and step), added once to the global sum
         noise = standard_normal_like(self.state.params, seed=self.seed, step=t)
-        self.state = self._apply(self.state, summed, noise)
+        # accounted before the release: an interruption can only over-count
         self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self.state = self._apply(self.state, summed, noise)
         return {k: float(v) for k, v in summarize(stats).items()}
 
     def fit(self, max_steps: int | None = None) -> list[dict[str, float]]:
@@ -279,10 +306,12 @@ class Trainer:
                 checkpoint and resume later); ``None`` runs to the end.
 
         Returns the history: one dict per epoch with ``epoch``, ``steps``,
-        ``loss`` (mean over the epoch's examples; not private), ``epsilon``
-        and whatever ``eval_fn`` returned. The progress bar shows the
-        epsilon as of the last finished epoch (each evaluation of the PLD
-        accountant takes about a second).
+        ``loss`` (mean over the examples since the last record; not
+        private), ``epsilon`` and whatever ``eval_fn`` returned; and one more
+        for the last step when ``fit`` stops between epochs (budget or
+        ``max_steps``), so the last record always holds the epsilon of the
+        parameters returned. The progress bar shows the epsilon as of the last
+        record (each evaluation of the PLD accountant takes about a second).
         """
         stop_at = self._last_step_within_budget()
         if max_steps is not None:
@@ -304,20 +333,9 @@ class Trainer:
             examples += metrics["batch_size"]
             seen += metrics["batch_size"]
             done = self.steps_done
-            if done % self.steps_per_epoch == 0 or done == self.total_steps:
-                epsilon = self.epsilon()
-                record = {
-                    "epoch": done / self.steps_per_epoch,
-                    "steps": done,
-                    "loss": loss_sum / max(examples, 1.0),
-                    "epsilon": epsilon,
-                }
-                if self.eval_fn is not None:
-                    record.update(self.eval_fn(self.state.params))
-                self.history.append(record)
+            if done % self.steps_per_epoch == 0 or done == stop_at:
+                epsilon = self._record(loss_sum / max(examples, 1.0))
                 loss_sum = examples = 0.0
-                if self.checkpoint_path is not None:
-                    self.save(self.checkpoint_path)
             elif self.checkpoint_every and done % self.checkpoint_every == 0:
                 self.save(self.checkpoint_path)
             bar.update(1)
@@ -329,17 +347,48 @@ class Trainer:
         bar.close()
         return self.history
 
+    def _record(self, loss: float) -> float:
+        """Appends the history record of the current step (and checkpoints); its epsilon."""
+        done = self.steps_done
+        record = {
+            "epoch": done / self.steps_per_epoch,
+            "steps": done,
+            "loss": loss,
+            "epsilon": self.epsilon(),
+        }
+        if self.eval_fn is not None:
+            for key, value in self.eval_fn(self.state.params).items():
+                try:
+                    record[key] = float(value)
+                except (TypeError, ValueError) as error:
+                    raise TypeError(
+                        f"eval_fn must return a dict of numbers, got {key}={value!r}"
+                    ) from error
+        self.history.append(record)
+        if self.checkpoint_path is not None:
+            self.save(self.checkpoint_path)
+        return record["epsilon"]
+
     def _last_step_within_budget(self) -> int:
-        """The largest step count <= total_steps whose epsilon fits the budget."""
+        """The largest step count <= total_steps whose epsilon fits the budget.
+
+        Computed once: the history is always ``steps`` equal steps of this
+        run's (noise_multiplier, sample_rate), so the answer does not change.
+        """
         if self.epsilon_budget is None:
             return self.total_steps
-        low, high = self.steps_done, self.total_steps  # epsilon grows with steps
+        if self._budget_steps is None:
+            self._budget_steps = self._search_budget()
+        return self._budget_steps
+
+    def _search_budget(self) -> int:
+        low, high = 0, self.total_steps  # epsilon grows with steps
 
         def within(steps: int) -> bool:
+            if steps == 0:
+                return True
             trial = Accountant(method=self.accountant.method)
-            trial.load_state_dict(self.accountant.state_dict())
-            if steps > trial.steps:
-                trial.step(self.noise_multiplier, self.sample_rate, steps - trial.steps)
+            trial.step(self.noise_multiplier, self.sample_rate, steps)
             return trial.epsilon(self.delta) <= self.epsilon_budget
 
         if within(high):
@@ -359,6 +408,9 @@ class Trainer:
             "clip_norm": self.step_fn.clip_norm,
             "clipping": self.step_fn.clipping,
             "seed": self.seed,
+            "accounting": self.accountant.method,
+            "delta": self.delta,
+            "physical_batch_size": self.batches.physical_batch_size,
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -431,6 +483,7 @@ class Trainer:
         """
         if not self.distributed:
             self.state, self.accountant, self.history = self._read(path)
+            self._budget_steps = None
             return
         error = loaded = None
         try:
@@ -455,13 +508,28 @@ class Trainer:
             f"checkpoint {os.fspath(path)!r} as read by each rank",
         )
         self.state, self.accountant, self.history = loaded
+        self._budget_steps = None
 
     def _read(self, path: str | os.PathLike) -> tuple[TrainState, Accountant, list]:
-        """Reads and validates a checkpoint; changes nothing."""
+        """Reads and validates a checkpoint; changes nothing.
+
+        Raises ValueError for every kind of bad file, so that in a distributed
+        run every rank reaches the collective that compares the outcomes.
+        """
         try:
-            checkpoint = torch.load(path, weights_only=True)
+            checkpoint = torch.load(path, weights_only=True, map_location="cpu")
         except Exception as error:  # torch raises many types for a bad file
             raise ValueError(f"checkpoint {os.fspath(path)!r} is unreadable: {error}") from error
+        try:
+            return self._validate(path, checkpoint)
+        except ValueError:
+            raise
+        except Exception as error:  # missing keys, wrong types: a malformed checkpoint
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} is malformed: {type(error).__name__}: {error}"
+            ) from error
+
+    def _validate(self, path, checkpoint: Any) -> tuple[TrainState, Accountant, list]:
         if not isinstance(checkpoint, dict) or checkpoint.get("version") != CHECKPOINT_VERSION:
             raise ValueError(f"{os.fspath(path)!r} is not a dpfunc checkpoint (version 1)")
         saved, ours = checkpoint["config"], self._config()
@@ -483,6 +551,7 @@ class Trainer:
             )
         accountant = Accountant(method=self.accountant.method)
         accountant.load_state_dict(checkpoint["accountant"])
+        leaves = [a.to(b.device) for a, b in zip(leaves, current)]  # each rank's own device
         state = optree.tree_unflatten(spec, leaves)
         if int(state.step) != accountant.steps:
             raise ValueError(

@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 
 from dpfunc.data import (
     PoissonBatches,
+    dataset_fingerprint,
     dataset_size,
     micro_batches,
     num_micro_batches,
@@ -220,11 +221,28 @@ def _kinds():
     return {
         "tensor": x,
         "tuple": (x, y),
-        "list": [x, y],
         "tensor_dataset": TensorDataset(x, y),
         "items": ItemDataset(6),
         "numbers": NumberDataset(),
     }
+
+
+def test_a_list_of_tensors_is_refused_as_ambiguous():
+    x, y = rows_dataset(6)
+    for dataset in ([x, y], list(x)):  # columns, or one tensor per example?
+        with pytest.raises(TypeError, match="list of .* tensors, which is ambiguous"):
+            dataset_size(dataset)
+
+
+def test_dataset_fingerprint_sees_order_and_contents():
+    x, y = rows_dataset(6)
+    base = dataset_fingerprint((x, y))
+    assert dataset_fingerprint((x.clone(), y.clone())) == base
+    assert dataset_fingerprint((x.flip(0), y.flip(0))) != base  # another order
+    assert dataset_fingerprint((x, y + 1)) != base
+    assert dataset_fingerprint(TensorDataset(x, y)) == base
+    items = ItemDataset(6)
+    assert dataset_fingerprint(items) == dataset_fingerprint(ItemDataset(6))
 
 
 @pytest.mark.parametrize("kind", list(_kinds()))
@@ -245,9 +263,8 @@ def test_dataset_kinds(kind):
         assert got.shape == (6,)
         assert got.tolist() == [10.0 * i for i in padded]
     else:
-        container = list if kind == "list" else tuple
         for b, _ in batches:
-            assert type(b) is container and len(b) == 2
+            assert type(b) is tuple and len(b) == 2
             assert b[0].shape == (3, 3) and b[1].shape == (3,)
         got_x = torch.cat([b[0] for b, _ in batches])
         got_y = torch.cat([b[1] for b, _ in batches])

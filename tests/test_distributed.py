@@ -404,10 +404,11 @@ def test_trainer_resumes_a_two_rank_run_bit_identically(main_run):
     for r in range(2):
         assert resumed[r]["loaded_steps"] == RESUME_AT
         assert resumed[r]["epsilon"] == whole[0]["epsilon"] == single.epsilon()
-        assert [h["steps"] for h in resumed[r]["history"]] == [8]
-        # the epoch's loss of a resumed run covers only the steps since the resume
+        # the paused run recorded its last step; then the epoch's record
+        assert [h["steps"] for h in resumed[r]["history"]] == [RESUME_AT, 8]
+        # the epoch's loss of a resumed run covers only the steps since the pause
         for key in ("epoch", "steps", "epsilon"):
-            assert resumed[r]["history"][0][key] == whole[0]["history"][0][key]
+            assert resumed[r]["history"][-1][key] == whole[0]["history"][-1][key]
         assert "seed differs across ranks" in resumed[r]["errors"]["seed"]
         assert resumed[r]["fresh_steps"] == 0  # a failed load changes nothing
     assert "could not be loaded on ranks [1]" in resumed[0]["errors"]["load"]

@@ -201,6 +201,22 @@ def test_empty_batch_still_steps_with_noise_only():
     assert metrics["batch_size"] == 0 and metrics["loss"] == 0
     assert int(state.step) == 1
 
+    # a batch with no rows at all (an empty share of a logical batch): zeros, no loss call
+    def indexing_loss(p, example):
+        xi, yi = example
+        return loss_fn(p, example) + xi[yi].sum()  # fails under vmap over 0 rows
+
+    step = dpfunc.make_train_step(
+        indexing_loss,
+        dpfunc.optim.sgd(lr=1.0),
+        clip_norm=2.0,
+        noise_multiplier=1.5,
+        expected_batch_size=10,
+    )
+    summed, stats = step.clip(params, (x[:0], y[:0]), torch.zeros(0))
+    assert all(torch.equal(summed[k], torch.zeros_like(params[k])) for k in params)
+    assert all(t.shape == (0,) for t in stats)
+
 
 def test_inputs_are_not_modified():
     _, params, loss_fn = classifier()

@@ -76,6 +76,40 @@ def test_budget_stops_before_a_step_would_exceed_it():
     assert accounting.epsilon(0.8, 20 / 120, 8, 1e-4, method="rdp") > budget
 
 
+def test_a_stop_between_epochs_records_the_final_epsilon():
+    budget = accounting.epsilon(0.8, 20 / 120, 9, 1e-4, method="rdp") * 1.0001
+    trainer = make(epsilon_budget=budget)  # epochs of 6 steps: stops in the second
+    history = trainer.fit()
+    assert [h["steps"] for h in history] == [6, 9]
+    assert history[-1]["epsilon"] == trainer.epsilon()
+    paused = make()
+    assert [h["steps"] for h in paused.fit(max_steps=4)] == [4]
+    assert [h["steps"] for h in paused.fit()] == [4, 6, 12]
+
+
+def test_train_step_refuses_to_pass_the_budget_or_the_plan():
+    budget = accounting.epsilon(0.8, 20 / 120, 3, 1e-4, method="rdp") * 1.0001
+    trainer = make(epsilon_budget=budget)
+    for _ in range(3):
+        trainer.train_step()
+    with pytest.raises(RuntimeError, match="step 4 would exceed epsilon_budget"):
+        trainer.train_step()
+    assert trainer.steps_done == 3 and trainer.epsilon() <= budget
+    planned = make(epochs=1 / 6)  # one step
+    planned.train_step()
+    with pytest.raises(RuntimeError, match="planned total_steps=1"):
+        planned.train_step()
+
+
+def test_eval_values_are_stored_as_floats_or_refused():
+    import numpy as np
+
+    history = make(eval_fn=lambda p: {"acc": np.float64(0.5)}).fit()
+    assert type(history[0]["acc"]) is float
+    with pytest.raises(TypeError, match="eval_fn must return a dict of numbers, got acc="):
+        make(eval_fn=lambda p: {"acc": "high"}).fit()
+
+
 def test_empty_poisson_batches_are_steps_with_noise_only():
     trainer = make(expected_batch_size=0.01, epochs=0.01 / 120 * 5)  # five steps
     sizes = [trainer.batches.counts_per_rank(t)[0] for t in range(trainer.total_steps)]
@@ -156,9 +190,22 @@ def test_bad_or_mismatched_checkpoints_raise_and_leave_state(tmp_path):
         delta=1e-4,
         physical_batch_size=16,
         progress=False,
+        accounting="rdp",
     )
     with pytest.raises(ValueError, match="do not match"):
         wider.load(path)
+    for key, value in [("accounting", "pld"), ("delta", 1e-5), ("physical_batch_size", 8)]:
+        with pytest.raises(ValueError, match=f"written with {key}="):
+            make(**{key: value}).load(path)
+    malformed = tmp_path / "malformed.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    for broken in (
+        {**checkpoint, "state": 5},
+        {k: v for k, v in checkpoint.items() if k != "history"},
+    ):
+        torch.save(broken, malformed)
+        with pytest.raises(ValueError, match="malformed"):
+            make().load(malformed)
     assert path.read_bytes() == good_bytes  # a failed load never touches the file
 
 
