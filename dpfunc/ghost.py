@@ -149,16 +149,17 @@ class GhostHooks:
         self.ctx: Any = None
         self.modules: dict[str, nn.Module] = {}
         self.handles = []
+        self.ids: dict[str, int] = {}  # path -> id of dpfunc's hook on that module
         for path, module in model.named_modules():
             kind, _ = covered_kind(module)
             if kind is None:
                 continue
             self.modules[path] = module
-            self.handles.append(
-                module.register_forward_hook(
-                    _ForwardHook(self, path), prepend=True, with_kwargs=True
-                )
+            handle = module.register_forward_hook(
+                _ForwardHook(self, path), prepend=True, with_kwargs=True
             )
+            self.handles.append(handle)
+            self.ids[path] = handle.id
 
 
 class _ForwardHook:
@@ -335,7 +336,7 @@ def analyse(
         wanted = [(attr, name) for attr, name in wanted if name in params]
         if not wanted:
             continue  # nothing trainable under this module's own names
-        why = _disqualify(path, module, wanted, analysis, shared)
+        why = _disqualify(path, module, wanted, analysis, shared, hooks.ids[path])
         if why:
             reasons.append(f"{path!r}: {why}")
             left.append(path)
@@ -377,13 +378,15 @@ def ghost_is_cheaper(kind: str, module: nn.Module, x: Tensor, output: Tensor) ->
 
     ``x`` and ``output`` are one example's input and output of ``module``. A
     weight gradient that is a sum over ``T`` positions of ``d_out x d_in``
-    outer products has a per-example norm from the ``T x T`` Gram matrices in
-    ``T^2 (d_in + d_out)`` operations, against ``d_in * d_out`` numbers for the
-    gradient itself (``T = 1``: the rank-one form, always cheaper). For a
-    convolution the positions are the output pixels and ``d_in`` a patch of
-    the unfolded input; for an embedding the Gram matrix over the ``T`` tokens
-    is compared with the ``num_embeddings x dim`` table. Normalisation layers'
-    affine gradients are tiny either way.
+    outer products gets its norm without being formed when ``T = 1`` (the
+    rank-one form) or ``T^2 < d_in * d_out`` (the ``T x T`` Gram matrices are
+    smaller than the gradient): the rule :func:`linear_weight_norms` uses to
+    pick its form, so ``True`` means the ``outer`` or ``gram`` form, ``False``
+    the ``direct`` one, which forms the gradient anyway. For a convolution
+    the positions are the output pixels and ``d_in`` one unfolded patch; for
+    an embedding the ``T x T`` Gram matrix is compared with its
+    ``num_embeddings`` rows. Normalisation layers' affine gradients are tiny
+    either way.
     """
     if kind == "linear":
         d_in, d_out = module.in_features, module.out_features
@@ -408,7 +411,13 @@ def _shared_parameters(model: nn.Module) -> set[int]:
     return {key for key, count in seen.items() if count > 1}
 
 
-def _disqualify(path, module, wanted, analysis: _Analysis, shared: set[int]) -> str:
+def _disqualify(path, module, wanted, analysis: _Analysis, shared: set[int], hook_id: int) -> str:
+    # dpfunc's hook must see the module's own output: the probe's gradient is then
+    # the gradient with respect to it, which the ghost rules assume
+    if nn.modules.module._global_forward_hooks:
+        return "a global forward hook may change its output before dpfunc's hook sees it"
+    if next(iter(module._forward_hooks), None) != hook_id:
+        return "another forward hook runs before dpfunc's and may change its output"
     calls = analysis.calls[path]
     if calls == 0 or path not in analysis.outputs:
         return "never called through its forward (its parameters are used some other way)"
@@ -720,27 +729,62 @@ def _weighted_sum(g: Tensor, w: Tensor) -> Tensor:
     return _scaled(g, w).sum(0)
 
 
-def linear_weight_norms(a: Tensor, g: Tensor, form: str | None = None) -> Tensor:
-    """``||g_i^T a_i||_F^2`` for ``a [N, T, d_in]``, ``g [N, T, d_out]``, as float64 ``[N]``.
+def _gamma(n: int, dtype: torch.dtype) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: the relative error bound of ``n`` roundings."""
+    nu = n * torch.finfo(dtype).eps / 2
+    return nu / (1 - nu) if nu < 1 else math.inf
 
-    ``form``: ``"outer"`` (``T == 1``: ``|a|^2 |g|^2``), ``"gram"``
-    (``sum((a a^T) * (g g^T))``, ``T x T`` per example) or ``"direct"`` (forms
-    the ``d_out x d_in`` gradient); ``None`` picks ``outer`` for ``T == 1``,
-    else ``gram`` when ``T^2 < d_in * d_out``, else ``direct``.
+
+def _position_norm_sum(a: Tensor, g: Tensor) -> Tensor:
+    """``S_i = sum_t |a_it| |g_it|``, float64 ``[N]``: bounds every rounding error below."""
+    a_norms = torch.linalg.vector_norm(a, dim=-1, dtype=_F64)
+    g_norms = torch.linalg.vector_norm(g, dim=-1, dtype=_F64)
+    return (a_norms * g_norms).sum(1)
+
+
+def linear_weight_norms(
+    a: Tensor, g: Tensor, form: str | None = None, summed_over: int = 1
+) -> Tensor:
+    """An upper bound on ``||g_i^T a_i||_F^2`` for ``a [N, T, d_in]``, ``g [N, T, d_out]``.
+
+    Returns float64 ``[N]``. ``form``: ``"outer"`` (``T == 1``: ``|a|^2
+    |g|^2``), ``"gram"`` (``sum((a a^T) * (g g^T))``, ``T x T`` per example)
+    or ``"direct"`` (forms the ``d_out x d_in`` gradient); ``None`` picks
+    ``outer`` for ``T == 1``, else ``gram`` when ``T^2 < d_in * d_out``, else
+    ``direct``.
+
+    Why a bound and not the value: the clipped sum is computed by other float
+    operations than the norm (one product over all ``summed_over`` rows of the
+    batch), so the norm must cover the rounding of both, or an example whose
+    positions cancel (huge ``a`` and ``g``, a small gradient) could have a tiny
+    computed norm and a large summed contribution. Every rounding error is at
+    most ``gamma * S_i`` with ``S_i = sum_t |a_it| |g_it|`` (Higham's bounds for
+    dot products and sums), so the returned norm is the computed one plus
+    those bounds: ``gram`` adds ``(3 gamma_{d+1} + 2 gamma_{T^2}(float64)) S^2``
+    to the squared norm, ``direct`` adds ``gamma_T S`` to the norm, and every
+    form adds ``gamma_{summed_over} S`` for the sum. For ``T == 1`` and in
+    float64 the bound exceeds the value by a relative ``1e-5`` (float32, 256
+    rows) or less; it is loose only for examples whose positions cancel.
     """
     t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    dtype = torch.promote_types(a.dtype, g.dtype)
     if form is None:
         form = "outer" if t == 1 else ("gram" if t * t < d_in * d_out else "direct")
+    s = _position_norm_sum(a, g)
     if form == "outer":
         if t != 1:
             raise ValueError(f"form='outer' needs one position per example, got {t}")
-        return _sq(a) * _sq(g)
-    if form == "gram":
-        gram = torch.bmm(a, a.mT) * torch.bmm(g, g.mT)
-        return gram.sum((1, 2), dtype=_F64).clamp(min=0)
-    if form == "direct":
-        return _sq(torch.bmm(g.mT, a))
-    raise ValueError(f"form must be 'outer', 'gram', 'direct' or None, got form={form!r}")
+        norm = s  # |a| |g|, from float64 norms: no cancellation, no overflow of |a|^2
+    elif form == "gram":
+        gram = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2), dtype=_F64)
+        error = 3 * _gamma(max(d_in, d_out) + 1, dtype) + 2 * _gamma(t * t, _F64)
+        norm = (gram.clamp(min=0) + error * s.square()).sqrt()
+    elif form == "direct":
+        norm = torch.linalg.vector_norm(torch.bmm(g.mT, a).flatten(1), dim=1, dtype=_F64)
+        norm = norm + _gamma(t, dtype) * s
+    else:
+        raise ValueError(f"form must be 'outer', 'gram', 'direct' or None, got form={form!r}")
+    return (norm + _gamma(summed_over, dtype) * s).square()
 
 
 class _Linear:
@@ -750,26 +794,30 @@ class _Linear:
     def prepare(m: GhostModule, a: Tensor, g: Tensor):
         d_in, d_out = m.config
         b = g.shape[0]
-        return a.reshape(b, -1, d_in).to(g.dtype), g.reshape(b, -1, d_out)
+        a, g = a.reshape(b, -1, d_in).to(g.dtype), g.reshape(b, -1, d_out)
+        return a, g, g.sum(1)  # the bias gradients, formed: summed exactly as normed
 
     @staticmethod
     def norms(m, state):
-        a, g = state
+        a, g, bias = state
         out = {}
         for attr, name in m.attrs:
-            out[name] = linear_weight_norms(a, g) if attr == "weight" else _sq(g.sum(1))
+            if attr == "weight":
+                out[name] = linear_weight_norms(a, g, summed_over=a.shape[0] * a.shape[1])
+            else:
+                out[name] = _sq(bias)
         return out
 
     @staticmethod
     def sums(m, state, w):
-        a, g = state
+        a, g, bias = state
         d_in, d_out = m.config
         out = {}
         if "weight" in w:
             gw = _scaled(g, w["weight"]).reshape(-1, d_out)
             out["weight"] = gw.mT @ _keep(a, w["weight"]).reshape(-1, d_in)
         if "bias" in w:
-            out["bias"] = _scaled(g, w["bias"]).sum((0, 1))
+            out["bias"] = _weighted_sum(bias, w["bias"])
         return out
 
 
@@ -788,11 +836,17 @@ class _Embedding:
 
     @staticmethod
     def norms(m, state):
+        # An upper bound, as in linear_weight_norms (a one-hot a_t has |a_t| = 1).
         idx, g = state
+        t, dim = g.shape[1], g.shape[2]
         same = idx[:, :, None] == idx[:, None, :]
-        gram = torch.where(same, torch.bmm(g, g.mT), g.new_zeros(()))
+        gram = torch.where(same, torch.bmm(g, g.mT), g.new_zeros(())).sum((1, 2), dtype=_F64)
+        s = torch.linalg.vector_norm(g, dim=-1, dtype=_F64).sum(1)
+        error = 2 * _gamma(dim + 1, g.dtype) + 2 * _gamma(t * t, _F64)
+        norm = (gram.clamp(min=0) + error * s.square()).sqrt()
+        norm = norm + _gamma(g.shape[0] * t, g.dtype) * s  # the index_add over the batch
         ((_, name),) = m.attrs
-        return {name: gram.sum((1, 2), dtype=_F64).clamp(min=0)}
+        return {name: norm.square()}
 
     @staticmethod
     def sums(m, state, w):
@@ -829,24 +883,24 @@ class _Conv:
         g_t = g.reshape(b, -1, groups, d_out, length).permute(0, 2, 1, 4, 3)
         u_t = u_t.reshape(b, groups, -1, d_in)
         g_t = g_t.reshape(b, groups, -1, d_out)
-        return x, pad, u_t, g, g_t
+        return x, pad, u_t, g, g_t, g_t.sum(2)  # the bias gradients, formed
 
     @staticmethod
     def norms(m, state):
-        _, _, u, _, g = state
-        b, groups = u.shape[:2]
+        _, _, u, _, g, bias = state
+        b, groups, rows = u.shape[:3]
         out = {}
         for attr, name in m.attrs:
-            if attr == "weight":
-                sq = linear_weight_norms(u.flatten(0, 1), g.flatten(0, 1))
+            if attr == "weight":  # the sum is one weight gradient over all b * rows positions
+                sq = linear_weight_norms(u.flatten(0, 1), g.flatten(0, 1), summed_over=b * rows)
                 out[name] = sq.reshape(b, groups).sum(1)
             else:
-                out[name] = _sq(g.sum(2))
+                out[name] = _sq(bias)
         return out
 
     @staticmethod
     def sums(m, state, w):
-        x, pad, _, g, g_t = state
+        x, pad, _, g, g_t, bias = state
         nd, c_in, c_out, kernel, stride, dilation, groups, _, _ = m.config
         out = {}
         if "weight" in w:  # the ordinary weight gradient of the scaled output gradients
@@ -862,7 +916,7 @@ class _Conv:
                 groups=groups,
             )
         if "bias" in w:
-            out["bias"] = _scaled(g_t, w["bias"]).sum((0, 2)).reshape(c_out)
+            out["bias"] = _weighted_sum(bias, w["bias"]).reshape(c_out)
         return out
 
 

@@ -133,6 +133,62 @@ def test_linear_norm_forms_equal_the_materialised_gradient(form, positions):
         torch.testing.assert_close(linear_weight_norms(a, g, "outer"), want, rtol=1e-12, atol=0)
 
 
+def cancelling_problem(kind, dtype, big):
+    """One example whose positions nearly cancel: huge inputs and output gradients, a
+    small weight gradient. A Gram norm computed naively rounds to about 0 here."""
+    s = 1e3 if dtype == torch.float32 else 1e6
+    if kind == "embedding":  # the same token twice
+        model = nn.Embedding(100, 2)
+        batch = (
+            torch.tensor([[7, 7]]),
+            torch.tensor([[s * big, s]], dtype=dtype),
+            torch.tensor([[-s * big, 0.0]], dtype=dtype),
+        )
+
+        def forward(call, example):
+            tokens, u, v = example
+            out = call(tokens)
+            return (out[0] * u).sum() + (out[1] * v).sum()
+
+        return model.to(dtype), batch, forward
+    if kind == "conv":  # a 1-wide kernel on two pixels: a Linear over two positions
+        model = nn.Conv1d(3, 3, 1, bias=False)
+        x = torch.tensor([[[big, big], [1.0, 0.0], [0.0, 0.0]]], dtype=dtype)
+    else:  # Linear(3, 3) takes the Gram form, Linear(3, 1) the direct one
+        model = nn.Linear(3, 3 if kind == "gram" else 1, bias=False)
+        x = torch.tensor([[[big, 1.0, 0.0], [big, 0.0, 0.0]]], dtype=dtype)
+
+    def forward(call, example):
+        xi, scale = example
+        out = call(xi)
+        first, second = (out[:, 0], out[:, 1]) if kind == "conv" else (out[0], out[1])
+        return scale * (first - second).sum()
+
+    return model.to(dtype), (x, torch.tensor([s], dtype=dtype)), forward
+
+
+@pytest.mark.parametrize("dtype, big", [(torch.float64, 1e8), (torch.float32, 1e4)])
+@pytest.mark.parametrize("kind", ["gram", "direct", "conv", "embedding"])
+def test_cancelling_positions_cannot_pass_the_clip_bound(kind, dtype, big):
+    model, batch, forward = cancelling_problem(kind, dtype, big)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        return forward(lambda *a: functional_call(model, (p, buffers), a), example)
+
+    args = dict(clip_norm=1.0, noise_multiplier=0.0, expected_batch_size=1)
+    mask = torch.ones(1)
+    for method in ("vmap", "ghost"):
+        step = dpfunc.make_train_step(
+            loss_fn, dpfunc.optim.sgd(lr=1.0), model=model, method=method, **args
+        )
+        summed, stats = step.clip(params, batch, mask)
+        if method == "ghost":
+            assert step._ghost.plans and all(p.modules for p in step._ghost.plans.values())
+        total = torch.stack([v.double().square().sum() for v in summed.values()]).sum().sqrt()
+        assert total <= 1.0 + 1e-6, (method, float(total), float(stats.norm[0]))
+
+
 class SmallCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -301,6 +357,21 @@ def test_whole_step_falls_back_with_one_warning(case):
     want, _ = vmap_step.clip(params, batch, mask)
     for k in params:
         torch.testing.assert_close(got[1][0][k], want[k], rtol=1e-10, atol=1e-12)
+
+
+def test_a_forward_hook_before_dpfuncs_makes_its_module_fall_back():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    params, loss_fn = problem(model)  # installs nothing yet
+    dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=0.0,
+        expected_batch_size=B, model=model,
+    )  # fmt: skip
+    handle = model[2].register_forward_hook(lambda m, a, out: 3 * out, prepend=True)
+    try:
+        with pytest.warns(UserWarning, match="'2': another forward hook runs before"):
+            assert_ghost_equals_vmap(model, torch.randn(B, 4) * 2, ghosted=["0"])
+    finally:
+        handle.remove()
 
 
 def test_module_called_twice_falls_back_for_that_module_only():
