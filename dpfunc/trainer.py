@@ -141,9 +141,9 @@ class Trainer:
         self.rank, self.world_size = (
             _distributed.rank_and_world_size() if self.distributed else (0, 1)
         )
-        if not (isinstance(epochs, (int, float)) and 0 < epochs < math.inf):
+        if not (_is_number(epochs) and 0 < epochs < math.inf):
             raise ValueError(f"epochs must be a finite number > 0, got epochs={epochs!r}")
-        if not (isinstance(expected_batch_size, (int, float)) and 0 < expected_batch_size <= n):
+        if not (_is_number(expected_batch_size) and 0 < expected_batch_size <= n):
             raise ValueError(
                 f"expected_batch_size must be in (0, {n}] (the dataset size), "
                 f"got expected_batch_size={expected_batch_size!r}"
@@ -171,7 +171,7 @@ class Trainer:
                 "physical_batch_size must be a positive int, "
                 f"got physical_batch_size={physical_batch_size!r}"
             )
-        if epsilon_budget is not None and not epsilon_budget > 0:
+        if epsilon_budget is not None and not (_is_number(epsilon_budget) and epsilon_budget > 0):
             raise ValueError(f"epsilon_budget must be > 0, got epsilon_budget={epsilon_budget!r}")
         if checkpoint_every is not None and not (
             isinstance(checkpoint_every, int) and checkpoint_every >= 1
@@ -315,7 +315,7 @@ class Trainer:
         """
         stop_at = self._last_step_within_budget()
         if max_steps is not None:
-            if not (isinstance(max_steps, int) and max_steps >= 0):
+            if isinstance(max_steps, bool) or not (isinstance(max_steps, int) and max_steps >= 0):
                 raise ValueError(f"max_steps must be an int >= 0, got max_steps={max_steps!r}")
             stop_at = min(stop_at, self.steps_done + max_steps)
         bar = tqdm(
@@ -459,6 +459,8 @@ class Trainer:
         try:
             with os.fdopen(handle, "wb") as f:
                 torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
             os.replace(tmp, path)
         except BaseException:
             if os.path.exists(tmp):
@@ -559,6 +561,10 @@ class Trainer:
                 f"steps but {accountant.steps} accounted steps"
             )
         return state, accountant, list(checkpoint["history"])
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 __all__ = ["Trainer"]

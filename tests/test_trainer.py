@@ -243,6 +243,8 @@ def test_default_delta_is_below_one_over_n_and_large_delta_warns():
         (dict(delta=1.5), "delta=1.5"),
         (dict(physical_batch_size=0), "physical_batch_size=0"),
         (dict(epsilon_budget=-1.0), "epsilon_budget=-1.0"),
+        (dict(epsilon_budget="2"), "epsilon_budget='2'"),
+        (dict(epochs=True), "epochs=True"),
         (dict(checkpoint_every=3), "checkpoint_path"),
     ],
 )
