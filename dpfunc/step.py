@@ -300,16 +300,16 @@ def make_train_step(
             and output gradients than from its materialised gradient, i.e. a
             Linear or convolution with ``T`` positions per example and
             ``T = 1`` or ``T^2 < d_in * d_out``, an Embedding with ``T^2 <
-            num_embeddings``, and normalisation layers; vmap for the rest, and
-            plain vmap when that leaves nothing to ghost; without ``model``,
-            vmap). Ghost covers ``Linear``, ``Embedding``,
-            ``Conv1d``/``Conv2d``, ``LayerNorm`` and ``GroupNorm``; every
-            other parameter, and any
-            covered module it cannot vouch for (called twice, inside a
-            nested ``torch.func`` transform, tied or used outside its call),
-            gets per-example gradients from vmap in the same pass, or the
-            whole step falls back to vmap; a ``UserWarning`` names the
-            reasons once per step. All three clipping modes are supported
+            16 num_embeddings``, and recurrent and normalisation layers; vmap
+            for the rest, and plain vmap when that leaves nothing to ghost;
+            without ``model``, vmap). Ghost covers ``Linear``, ``Embedding``,
+            ``Conv1d``/``Conv2d``, ``LayerNorm``, ``GroupNorm`` and ``RNN`` /
+            ``GRU`` / ``LSTM`` (unrolled, without ``proj_size``); every other
+            parameter, and any covered module it cannot vouch for (called
+            twice, inside a nested ``torch.func`` transform, tied or used
+            outside its call, behind another forward hook), gets per-example
+            gradients from vmap in the same pass, or the whole step falls
+            back to vmap; a ``UserWarning`` names the reasons once per step. All three clipping modes are supported
             and the result equals the vmap path's.
 
     Returns:

@@ -207,6 +207,72 @@ def classify(call, example):
     return F.cross_entropy(call(x.unsqueeze(0)), y.unsqueeze(0))
 
 
+@pytest.mark.parametrize(
+    "cell, batch_first, bidirectional, layers",
+    [
+        (nn.LSTM, True, False, 1),
+        (nn.LSTM, False, True, 2),
+        (nn.GRU, True, True, 1),
+        (nn.GRU, False, False, 2),
+        (nn.RNN, True, True, 2),
+    ],
+)
+def test_recurrent_layers_match_vmap(cell, batch_first, bidirectional, layers):
+    model = cell(3, 4, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first)
+    dim = 0 if batch_first else 1
+    assert_ghost_equals_vmap(
+        model,
+        torch.randn(B, 5, 3),
+        lambda call, x: 0.3 * projected(call(x.unsqueeze(dim))[0]),
+        ghosted=[""],
+    )
+    remove_hooks(model)
+    assert "forward" not in model.__dict__  # the module's own forward again
+
+
+def test_recurrent_layer_with_initial_state_unbatched_and_without_bias():
+    gru = nn.GRU(3, 4, bias=False)  # an unbatched [T, D] call with its own h0
+    batch = (torch.randn(B, 5, 3), torch.randn(B, 1, 4))
+    forward = lambda call, ex: projected(call(ex[0], ex[1])[0])  # noqa: E731
+    assert_ghost_equals_vmap(gru, batch, forward, ghosted=[""])
+
+
+def test_recurrent_dropout_in_training_falls_back():
+    model = nn.LSTM(3, 4, num_layers=2, dropout=0.5).double()
+    params, loss_fn = problem(model, lambda call, x: projected(call(x)[0]))
+    x = torch.randn(B, 5, 3, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="dropout between its layers"):
+        plan = GhostClipper(model, loss_fn, "auto").plan(params, x)
+    assert not plan.modules
+    remove_hooks(model)
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 4)
+        self.lstm = nn.LSTM(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        _, (h, _) = self.lstm(self.embed(tokens))
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_recurrent_classifier_matches_vmap(clipping):
+    batch = (torch.randint(0, 20, (B, 7)), torch.randint(0, 3, (B,)))
+    mask = torch.tensor([1, 1, 0, 1, 1, 1.0])
+    assert_ghost_equals_vmap(
+        LSTMClassifier(),
+        batch,
+        classify,
+        ghosted=["embed", "lstm", "head"],
+        mask=mask,
+        clipping=clipping,
+    )
+
+
 @pytest.mark.parametrize("clipping", ["flat", "normalized", "per_layer"])
 def test_mixed_models_match_vmap(clipping):
     mlp = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))

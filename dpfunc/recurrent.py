@@ -1,0 +1,144 @@
+"""Recurrent layers unrolled into their cell operations, for ghost clipping.
+
+``nn.RNN``, ``nn.GRU`` and ``nn.LSTM`` run one fused kernel over the whole
+sequence. torch has no vmap batching rule for it, so the vmap path runs it
+example by example and its backward forms every time step's per-example
+weight gradient separately. Ghost clipping needs something else: each gate
+pre-activation's gradient ``G`` and the input ``A`` that multiplies each
+weight, over all time steps, so that a weight's per-example gradient
+``sum_t G_t^T A_t`` is a Linear layer's over ``T`` positions (see
+:mod:`dpfunc.ghost`). :func:`unrolled` computes the layer's output step by
+step with the same equations as torch's kernels, adding a zero ``probe`` to
+every gate pre-activation (its gradient is ``G``) and recording ``A``:
+
+* ``ih_l{k}[_reverse]``: the layer's input sequence times ``weight_ih``;
+* ``hh_l{k}[_reverse]``: the previous hidden state times ``weight_hh``.
+
+Each key names the weight and bias it feeds: ``weight_ih_l0`` and
+``bias_ih_l0`` belong to site ``ih_l0``. Probes and records are laid out
+``[T, N, features]`` in processing order (reversed for the backward
+direction; a sum over time does not care).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
+
+
+def sites(module: nn.RNNBase) -> list[str]:
+    """The probe sites of ``module``, one per weight matrix, in parameter order."""
+    directions = ("", "_reverse") if module.bidirectional else ("",)
+    return [
+        f"{kind}_l{layer}{direction}"
+        for layer in range(module.num_layers)
+        for direction in directions
+        for kind in ("ih", "hh")
+    ]
+
+
+def site_of(attr: str) -> str:
+    """``"weight_ih_l0_reverse" -> "ih_l0_reverse"``."""
+    return attr.split("_", 1)[1]
+
+
+def sequence_layout(module: nn.RNNBase, x: Tensor) -> tuple[int, int]:
+    """``(T, N)`` of one call's input ``x`` (``N = 1`` for an unbatched input)."""
+    if x.dim() == 2:
+        return x.shape[0], 1
+    return (x.shape[1], x.shape[0]) if module.batch_first else (x.shape[0], x.shape[1])
+
+
+def unrolled(
+    module: nn.RNNBase,
+    x: Tensor,
+    hx: Tensor | tuple[Tensor, Tensor] | None,
+    probes: dict[str, Tensor],
+    record: dict[str, Tensor],
+):
+    """``module(x, hx)`` computed step by step, with ``probes`` added and inputs recorded.
+
+    Args:
+        module: an ``nn.RNN``, ``nn.GRU`` or ``nn.LSTM`` without ``proj_size``.
+        x: its input, ``[T, D]`` (unbatched), ``[T, N, D]`` or, with
+            ``batch_first``, ``[N, T, D]``.
+        hx: the initial state as the module takes it, or ``None`` for zeros.
+        probes: site -> zeros ``[T, N, gates * hidden_size]`` (see :func:`sites`).
+        record: filled with site -> the input ``A`` of that site's weight.
+
+    Returns:
+        What ``module(x, hx)`` returns, up to float rounding.
+    """
+    mode, hidden = module.mode, module.hidden_size
+    batched = x.dim() == 3
+    seq = x if not batched else (x.transpose(0, 1) if module.batch_first else x)
+    seq = seq if batched else seq.unsqueeze(1)  # [T, N, D]
+    lstm = mode == "LSTM"
+    h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
+    count = module.num_layers * (2 if module.bidirectional else 1)
+    if h0 is None:
+        h0 = seq.new_zeros(count, seq.shape[1], hidden)
+    elif not batched:
+        h0 = h0.unsqueeze(1)
+    if lstm:
+        c0 = torch.zeros_like(h0) if c0 is None else (c0 if batched else c0.unsqueeze(1))
+
+    last_h, last_c = [], []
+    for layer in range(module.num_layers):
+        outputs = []
+        for direction in ("", "_reverse") if module.bidirectional else ("",):
+            k = len(last_h)
+            suffix = f"_l{layer}{direction}"
+            w_ih, w_hh = (
+                getattr(module, "weight_ih" + suffix),
+                getattr(module, "weight_hh" + suffix),
+            )
+            b_ih = getattr(module, "bias_ih" + suffix) if module.bias else None
+            b_hh = getattr(module, "bias_hh" + suffix) if module.bias else None
+            inputs = seq.flip(0) if direction else seq
+            record["ih" + suffix] = inputs
+            gates_x = F.linear(inputs, w_ih, b_ih) + probes["ih" + suffix]  # all steps at once
+            # unbind, not [t]: its backward stacks the steps' gradients once, where indexing
+            # would add a zero-padded [T, ...] gradient per step
+            steps = zip(gates_x.unbind(0), probes["hh" + suffix].unbind(0))
+            h, c, hs = h0[k], c0[k] if lstm else None, []
+            for gates_x_t, probe_t in steps:
+                gates_h = F.linear(h, w_hh, b_hh) + probe_t
+                h, c = _cell(mode, gates_x_t, gates_h, h, c)
+                hs.append(h)
+            out = torch.stack(hs)  # [T, N, H] in processing order
+            record["hh" + suffix] = torch.cat([h0[k].unsqueeze(0), out[:-1]])  # h_{t-1}
+            outputs.append(out.flip(0) if direction else out)
+            last_h.append(h)
+            last_c.append(c)
+        seq = torch.cat(outputs, -1) if len(outputs) > 1 else outputs[0]
+        if module.dropout and module.training and layer < module.num_layers - 1:
+            seq = F.dropout(seq, module.dropout, training=True)
+
+    h_n = torch.stack(last_h)
+    output = seq if not batched else (seq.transpose(0, 1) if module.batch_first else seq)
+    if not batched:
+        output, h_n = output.squeeze(1), h_n.squeeze(1)
+    if lstm:
+        c_n = torch.stack(last_c)
+        return output, (h_n, c_n if batched else c_n.squeeze(1))
+    return output, h_n
+
+
+def _cell(mode: str, gates_x: Tensor, gates_h: Tensor, h: Tensor, c: Tensor | None):
+    """One time step from the two gate pre-activations: ``(h, c)``, ``c`` for LSTM only."""
+    if mode == "LSTM":
+        i, f, g, o = (gates_x + gates_h).chunk(4, -1)
+        c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
+    if mode == "GRU":
+        x_r, x_z, x_n = gates_x.chunk(3, -1)
+        h_r, h_z, h_n = gates_h.chunk(3, -1)
+        r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+        n = torch.tanh(x_n + r * h_n)
+        return n + z * (h - n), None
+    pre = gates_x + gates_h
+    return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
