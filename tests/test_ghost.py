@@ -259,6 +259,41 @@ class LSTMClassifier(nn.Module):
         return self.head(h[-1])
 
 
+def test_recurrent_ghost_step_compiles_with_allow_rnn():
+    torch.manual_seed(3)
+    model = LSTMClassifier()
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        tokens, label = example
+        out = functional_call(model, (p, buffers), (tokens.unsqueeze(0),))
+        return F.cross_entropy(out, label.unsqueeze(0))
+
+    step = dpfunc.make_train_step(
+        loss_fn,
+        dpfunc.optim.sgd(lr=0.5),
+        clip_norm=0.5,
+        noise_multiplier=1.0,
+        expected_batch_size=B,
+        model=model,
+    )
+    batch = (torch.randint(0, 20, (B, 7)), torch.randint(0, 3, (B,)))
+    mask, noise = torch.ones(B), dpfunc.standard_normal_like(params, seed=0, step=0)
+    state = step.init(params)
+    counter = CompileCounter()
+    with torch._dynamo.config.patch(allow_rnn=True):  # Dynamo refuses nn.LSTM otherwise
+        got, _ = torch.compile(step, backend=counter, fullgraph=True)(state, batch, mask, noise)
+    want, _ = step(state, batch, mask, noise)
+    assert counter.frame_count == 1
+    for k in params:
+        torch.testing.assert_close(got.params[k], want.params[k])
+    assert [m.path for m in step._ghost.plans[next(iter(step._ghost.plans))].modules] == [
+        "embed",
+        "lstm",
+        "head",
+    ]
+
+
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_recurrent_classifier_matches_vmap(clipping):
     batch = (torch.randint(0, 20, (B, 7)), torch.randint(0, 3, (B,)))
