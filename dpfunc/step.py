@@ -309,8 +309,9 @@ def make_train_step(
             twice, inside a nested ``torch.func`` transform, tied or used
             outside its call, behind another forward hook), gets per-example
             gradients from vmap in the same pass, or the whole step falls
-            back to vmap; a ``UserWarning`` names the reasons once per step. All three clipping modes are supported
-            and the result equals the vmap path's.
+            back to vmap; a ``UserWarning`` names the reasons once per step.
+            All three clipping modes are supported and the result equals the
+            vmap path's.
 
     Returns:
         A :class:`TrainStep` ``step`` with ``step.init(params) -> state`` and
