@@ -17,6 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from . import recurrent
 from .tree import Params
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
@@ -55,7 +56,7 @@ def functionalize(module: nn.Module) -> tuple[Params, dict[str, Tensor]]:
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     check_per_example(module)
     for sub in module.modules():
-        if type(sub) in (nn.RNN, nn.GRU, nn.LSTM) and not getattr(
+        if recurrent.torch_class(type(sub)) in (nn.RNN, nn.GRU, nn.LSTM) and not getattr(
             sub, "_dpfunc_hidden_hook", False
         ):
             sub.register_forward_pre_hook(_zero_hidden_state, with_kwargs=True)
@@ -104,7 +105,8 @@ def _group_norm_for(bn: nn.Module, max_groups: int) -> nn.GroupNorm:
 
 def _zero_hidden_state(module: nn.RNNBase, args: tuple, kwargs: dict):
     x = args[0] if args else kwargs.get("input")
-    if len(args) > 1 or kwargs.get("hx") is not None or not isinstance(x, Tensor):
+    hx = args[1] if len(args) > 1 else kwargs.get("hx")
+    if len(args) > 2 or hx is not None or not isinstance(x, Tensor):
         return None  # the caller chose the hidden state, or passed a PackedSequence
     layers = module.num_layers * (2 if module.bidirectional else 1)
     if x.dim() == 3:

@@ -89,10 +89,14 @@ def covered_kind(module: nn.Module) -> tuple[str | None, str]:
     parametrizations = getattr(module, "parametrizations", None)
     if isinstance(parametrizations, nn.ModuleDict) and len(parametrizations):
         return None, "has parametrizations"
-    cls = type(module)
+    if "forward" in module.__dict__:
+        return None, "its forward is replaced on the instance"
+    cls = recurrent.torch_class(type(module))  # the class behind dpfunc's dispatching one
     if cls in (nn.RNN, nn.GRU, nn.LSTM):
         if module.proj_size:
             return None, "LSTM with proj_size has no ghost rule"
+        if not set(_attrs(module)) <= set(module._flat_weights_names):
+            return None, f"{cls.__name__} with parameters of its own has no ghost rule"
         return "recurrent", ""
     if isinstance(module, nn.Linear) and cls.forward is nn.Linear.forward:
         return "linear", ""
@@ -173,20 +177,7 @@ class GhostHooks:
             self.handles.append(handle)
             self.ids[path] = handle.id
             if kind == "recurrent":  # the fused kernel cannot expose its gate gradients
-                module.forward = _RecurrentForward(self, path, module)
-
-
-class _RecurrentForward:
-    """A recurrent module's forward: its own, except in a ghost pass that plans it."""
-
-    def __init__(self, hooks: GhostHooks, path: str, module: nn.RNNBase):
-        self.hooks, self.path, self.module = hooks, path, module
-
-    def __call__(self, input, hx=None):
-        ctx = self.hooks.ctx
-        if isinstance(ctx, _Run) and isinstance(ctx.probes.get(self.path), dict):
-            return ctx.run_recurrent(self.path, self.module, input, hx)
-        return type(self.module).forward(self.module, input, hx)
+                recurrent.attach(module, self, path)
 
 
 class _ForwardHook:
@@ -220,8 +211,7 @@ def remove_hooks(model: nn.Module) -> None:
         for handle in hooks.handles:
             handle.remove()
         for module in hooks.modules.values():
-            if isinstance(module.__dict__.get("forward"), _RecurrentForward):
-                del module.forward
+            recurrent.detach(module, hooks)
 
 
 def _module_input(args: tuple, kwargs: dict) -> Any:
@@ -454,8 +444,11 @@ def _disqualify(path, module, wanted, analysis: _Analysis, shared: set[int], hoo
     # the gradient with respect to it, which the ghost rules assume
     if nn.modules.module._global_forward_hooks:
         return "a global forward hook may change its output before dpfunc's hook sees it"
-    if next(iter(module._forward_hooks), None) != hook_id:
-        return "another forward hook runs before dpfunc's and may change its output"
+    for key, hook in module._forward_hooks.items():
+        if key == hook_id:
+            break
+        if not isinstance(hook, _ForwardHook):  # another model's dpfunc hook is inert
+            return "another forward hook runs before dpfunc's and may change its output"
     calls = analysis.calls[path]
     if calls == 0 or path not in analysis.outputs:
         return "never called through its forward (its parameters are used some other way)"
@@ -488,7 +481,7 @@ def _disqualify(path, module, wanted, analysis: _Analysis, shared: set[int], hoo
         if x.dim() not in (2, 3):
             return f"input of rank {x.dim()}"
         if module.dropout and module.training:
-            return "dropout between its layers draws other masks than torch's kernel"
+            return "dropout between its layers: the unrolled layer's masks are not torch's"
         return ""
     if not isinstance(analysis.outputs[path], Tensor):
         return "its output is not a tensor"

@@ -29,6 +29,62 @@ from torch import Tensor, nn
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 
 
+class _Dispatching:
+    """Mixed into a recurrent module's class while ghost hooks are on it: in a ghost
+    pass that planned the module (a context with ``run_recurrent`` and the module's
+    probes), its forward runs unrolled; otherwise it is the module's own.
+
+    A class, not an instance attribute, so that copies (``deepcopy``, DataParallel
+    replicas) dispatch on themselves. The ``(hooks, path)`` sites of every model
+    sharing the module are kept in its ``__dict__``.
+    """
+
+    def forward(self, input, hx=None):  # noqa: A002 - torch's own argument name
+        for hooks, path in self.__dict__.get("_dpfunc_ghost_sites", ()):
+            run = getattr(hooks.ctx, "run_recurrent", None)
+            if run is not None and path in hooks.ctx.probes:
+                return run(path, self, input, hx)
+        return super().forward(input, hx)
+
+
+class _RNN(_Dispatching, nn.RNN):
+    pass
+
+
+class _GRU(_Dispatching, nn.GRU):
+    pass
+
+
+class _LSTM(_Dispatching, nn.LSTM):
+    pass
+
+
+_DISPATCHING = {nn.RNN: _RNN, nn.GRU: _GRU, nn.LSTM: _LSTM}
+_TORCH = {ours: theirs for theirs, ours in _DISPATCHING.items()}
+
+
+def torch_class(cls: type) -> type:
+    """``nn.LSTM`` for dpfunc's dispatching LSTM class (likewise RNN, GRU); else ``cls``."""
+    return _TORCH.get(cls, cls)
+
+
+def attach(module: nn.RNNBase, hooks, path: str) -> None:
+    """Makes ``module`` dispatch to :func:`unrolled` in ghost passes of ``hooks``."""
+    module.__class__ = _DISPATCHING[torch_class(type(module))]
+    module.__dict__.setdefault("_dpfunc_ghost_sites", []).append((hooks, path))
+
+
+def detach(module: nn.Module, hooks) -> None:
+    """Undoes :func:`attach` for ``hooks``; the module's own class once none is left."""
+    sites = module.__dict__.get("_dpfunc_ghost_sites")
+    if sites is None:
+        return
+    sites[:] = [(h, p) for h, p in sites if h is not hooks]
+    if not sites:
+        del module.__dict__["_dpfunc_ghost_sites"]
+        module.__class__ = torch_class(type(module))
+
+
 def sites(module: nn.RNNBase) -> list[str]:
     """The probe sites of ``module``, one per weight matrix, in parameter order."""
     directions = ("", "_reverse") if module.bidirectional else ("",)

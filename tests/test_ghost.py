@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounter
 from torch.func import functional_call, jacrev
 
 import dpfunc
-from dpfunc.ghost import GhostClipper, linear_weight_norms, remove_hooks
+from dpfunc.ghost import GhostClipper, covered_kind, linear_weight_norms, remove_hooks
 from dpfunc.per_sample import batch_size
 from dpfunc.tree import tree_map
 
@@ -226,8 +226,9 @@ def test_recurrent_layers_match_vmap(cell, batch_first, bidirectional, layers):
         lambda call, x: 0.3 * projected(call(x.unsqueeze(dim))[0]),
         ghosted=[""],
     )
+    assert type(model) is not cell  # dispatches to the unrolled layer in a ghost pass
     remove_hooks(model)
-    assert "forward" not in model.__dict__  # the module's own forward again
+    assert type(model) is cell and "_dpfunc_ghost_sites" not in model.__dict__
 
 
 def test_recurrent_layer_with_initial_state_unbatched_and_without_bias():
@@ -235,6 +236,27 @@ def test_recurrent_layer_with_initial_state_unbatched_and_without_bias():
     batch = (torch.randn(B, 5, 3), torch.randn(B, 1, 4))
     forward = lambda call, ex: projected(call(ex[0], ex[1])[0])  # noqa: E731
     assert_ghost_equals_vmap(gru, batch, forward, ghosted=[""])
+
+
+def test_a_recurrent_module_shared_by_two_models_serves_both():
+    shared = nn.GRU(3, 4, batch_first=True)
+    first, second = nn.Sequential(shared), nn.Sequential(shared)
+    forward = lambda call, x: projected(call(x.unsqueeze(0))[0])  # noqa: E731
+    x = torch.randn(B, 5, 3)
+    for model in (first, second):  # both install hooks on the same GRU
+        GhostClipper(model, lambda p, e: 0.0, "ghost")
+    for model in (first, second):
+        assert_ghost_equals_vmap(model, x, forward, ghosted=["0"])
+    remove_hooks(second)
+    assert_ghost_equals_vmap(first, x, forward, ghosted=["0"])  # still served
+    remove_hooks(first)
+    assert type(shared) is nn.GRU
+
+
+def test_recurrent_module_with_a_parameter_of_its_own_falls_back():
+    lstm = nn.LSTM(3, 4)
+    lstm.register_parameter("h0", nn.Parameter(torch.zeros(1, 4)))
+    assert covered_kind(lstm) == (None, "LSTM with parameters of its own has no ghost rule")
 
 
 def test_recurrent_dropout_in_training_falls_back():

@@ -97,6 +97,14 @@ def test_recurrent_layers_without_initial_state(cell, batch_first):
     assert_per_sample_matches_loop(model, x, lambda call, xi: projected(call(xi.unsqueeze(dim))))
 
 
+def test_recurrent_layer_called_with_none_as_initial_state():
+    model = nn.GRU(3, 4, batch_first=True)
+    x = torch.randn(B, 5, 3)
+    assert_per_sample_matches_loop(
+        model, x, lambda call, xi: projected(call(xi.unsqueeze(0), None))
+    )
+
+
 def test_recurrent_layer_with_explicit_initial_state():
     model = nn.GRU(3, 4, batch_first=True)
     batch = (torch.randn(B, 5, 3), torch.randn(B, 1, 1, 4))
