@@ -67,9 +67,11 @@ __all__ = [
     "analyse",
     "covered_kind",
     "ghost_clip",
+    "ghost_is_cheaper",
     "install_hooks",
     "linear_weight_norms",
     "remove_hooks",
+    "tf32_risk",
 ]
 
 _F64 = torch.float64
@@ -430,6 +432,26 @@ def ghost_is_cheaper(kind: str, module: nn.Module, x: Tensor, output: Tensor) ->
     return t == 1 or t * t < d_in * d_out
 
 
+def tf32_risk(kind: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``kind``'s ghost products may run in TF32 on ``device`` for ``dtype``.
+
+    The norm bounds of :func:`linear_weight_norms` assume IEEE rounding of
+    ``dtype``; TF32 keeps 10 mantissa bits of float32's 23, so a cancelling
+    example could pass the bound hundreds of times over. Matmuls (Linear,
+    Embedding and recurrent Gram and sums) use it when
+    ``torch.backends.cuda.matmul.allow_tf32`` (off by default), convolutions
+    (the weight-gradient sum) when ``torch.backends.cudnn.allow_tf32`` (on by
+    default). Normalisation layers form their per-example gradients exactly.
+    """
+    if device.type != "cuda" or dtype != torch.float32:
+        return False
+    if kind in ("linear", "embedding", "recurrent", "conv") and (
+        torch.get_float32_matmul_precision() != "highest"
+    ):
+        return True
+    return kind == "conv" and torch.backends.cudnn.allow_tf32
+
+
 def _own_names(path: str, module: nn.Module) -> list[str]:
     return [f"{path}.{a}" if path else a for a in _attrs(module)]
 
@@ -477,6 +499,14 @@ def _disqualify(path, module, wanted, analysis: _Analysis, shared: set[int], hoo
     if x._version != version:
         return "its input is modified in place after the call"
     kind, _ = covered_kind(module)
+    output = analysis.outputs[path]
+    out = output[0] if kind == "recurrent" and isinstance(output, tuple) else output
+    if isinstance(out, Tensor) and tf32_risk(kind, out.device, out.dtype):
+        return (
+            "TF32 rounds its products more than the ghost norm bound covers; set "
+            "torch.backends.cuda.matmul.allow_tf32 = False (and torch.backends.cudnn."
+            "allow_tf32 = False for convolutions) to ghost it"
+        )
     if kind == "recurrent":
         if x.dim() not in (2, 3):
             return f"input of rank {x.dim()}"

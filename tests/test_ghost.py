@@ -11,7 +11,13 @@ from torch._dynamo.testing import CompileCounter
 from torch.func import functional_call, jacrev
 
 import dpfunc
-from dpfunc.ghost import GhostClipper, covered_kind, linear_weight_norms, remove_hooks
+from dpfunc.ghost import (
+    GhostClipper,
+    covered_kind,
+    linear_weight_norms,
+    remove_hooks,
+    tf32_risk,
+)
 from dpfunc.per_sample import batch_size
 from dpfunc.tree import tree_map
 
@@ -547,6 +553,27 @@ def test_auto_ghosts_only_where_it_is_cheaper():
     params, loss_fn = problem(conv_only)
     x = torch.randn(B, 2, 8, 8, dtype=torch.float64)
     assert not GhostClipper(conv_only, loss_fn, "auto").plan(params, x).modules
+
+
+def test_tf32_products_make_their_modules_fall_back():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    try:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = True  # torch's default
+        assert tf32_risk("conv", cuda, torch.float32)
+        assert not tf32_risk("linear", cuda, torch.float32)
+        assert not tf32_risk("conv", cuda, torch.float64) and not tf32_risk(
+            "conv", cpu, torch.float32
+        )
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls
+        assert all(
+            tf32_risk(kind, cuda, torch.float32) for kind in ("linear", "embedding", "recurrent")
+        )
+        assert not tf32_risk("layer_norm", cuda, torch.float32)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.allow_tf32 = cudnn
 
 
 def test_construction_checks():
