@@ -29,7 +29,15 @@ How it works with an opaque ``loss_fn(params, example)``:
 Covered: ``nn.Linear`` (any number of leading positions), ``nn.Embedding``
 (without ``max_norm``, ``scale_grad_by_freq`` or ``sparse``), ``nn.Conv1d`` and
 ``nn.Conv2d`` (any stride, padding, padding mode, dilation and groups, via
-``unfold``), and the affine parameters of ``nn.LayerNorm`` and ``nn.GroupNorm``.
+``unfold``), the affine parameters of ``nn.LayerNorm`` and ``nn.GroupNorm``, and
+``nn.RNN`` / ``nn.GRU`` / ``nn.LSTM`` without ``proj_size`` (run unrolled in the
+ghost pass, with a probe on every gate: :mod:`dpfunc.recurrent`).
+
+The norms are upper bounds that include the rounding of the norm and of the
+clipped sum (:func:`linear_weight_norms`), so the contribution that is summed
+never exceeds the clip bound; where TF32 could round past those bounds on CUDA,
+the module falls back (:func:`tf32_risk`). An example whose activations
+overflow a Gram matrix gets a non-finite norm and is dropped.
 
 Which modules can be ghosted is decided once per batch structure by an analysis
 pass (:func:`analyse`): the loss runs on one real example with hooks and a
