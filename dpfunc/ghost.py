@@ -889,38 +889,40 @@ def linear_weight_norms(
     return (norm + _gamma(summed_over, dtype) * s).square()
 
 
+def _linear_state(a: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(A [B, T, d_in], G [B, T, d_out], bias gradients [B, d_out])`` of a linear map
+    over the positions between the first and the last dimension."""
+    b = g.shape[0]
+    g = g.reshape(b, -1, g.shape[-1])
+    return a.reshape(b, -1, a.shape[-1]).to(g.dtype), g, g.sum(1)  # bias: summed as normed
+
+
+def _linear_norm(state, weight: bool) -> Tensor:
+    a, g, bias = state
+    return linear_weight_norms(a, g, summed_over=a.shape[0] * a.shape[1]) if weight else _sq(bias)
+
+
+def _linear_sum(state, w: Tensor, weight: bool) -> Tensor:
+    a, g, bias = state
+    if not weight:
+        return _weighted_sum(bias, w)
+    return _scaled(g, w).flatten(0, 1).mT @ _keep(a, w).flatten(0, 1)
+
+
 class _Linear:
     """``grad W_i = G_i^T A_i`` over the positions ``T``; ``grad b_i = sum_t G_i``."""
 
     @staticmethod
     def prepare(m: GhostModule, a: Tensor, g: Tensor):
-        d_in, d_out = m.config
-        b = g.shape[0]
-        a, g = a.reshape(b, -1, d_in).to(g.dtype), g.reshape(b, -1, d_out)
-        return a, g, g.sum(1)  # the bias gradients, formed: summed exactly as normed
+        return _linear_state(a, g)
 
     @staticmethod
     def norms(m, state):
-        a, g, bias = state
-        out = {}
-        for attr, name in m.attrs:
-            if attr == "weight":
-                out[name] = linear_weight_norms(a, g, summed_over=a.shape[0] * a.shape[1])
-            else:
-                out[name] = _sq(bias)
-        return out
+        return {name: _linear_norm(state, attr == "weight") for attr, name in m.attrs}
 
     @staticmethod
     def sums(m, state, w):
-        a, g, bias = state
-        d_in, d_out = m.config
-        out = {}
-        if "weight" in w:
-            gw = _scaled(g, w["weight"]).reshape(-1, d_out)
-            out["weight"] = gw.mT @ _keep(a, w["weight"]).reshape(-1, d_in)
-        if "bias" in w:
-            out["bias"] = _weighted_sum(bias, w["bias"])
-        return out
+        return {attr: _linear_sum(state, weight, attr == "weight") for attr, weight in w.items()}
 
 
 class _Embedding:
@@ -1063,39 +1065,22 @@ class _Recurrent:
 
     @staticmethod
     def prepare(m, inputs, grads):
-        state = {}
-        for attr, _ in m.attrs:
-            site = recurrent.site_of(attr)
-            if site not in state:
-                g = grads[site]
-                b = g.shape[0]
-                g = g.reshape(b, -1, g.shape[-1])
-                a = inputs[site].to(g.dtype)
-                state[site] = (a.reshape(b, -1, a.shape[-1]), g, g.sum(1))
-        return state
+        sites = {recurrent.site_of(attr) for attr, _ in m.attrs}
+        return {site: _linear_state(inputs[site], grads[site]) for site in sites}
 
     @staticmethod
     def norms(m, state):
-        out = {}
-        for attr, name in m.attrs:
-            a, g, bias = state[recurrent.site_of(attr)]
-            if attr.startswith("weight"):
-                out[name] = linear_weight_norms(a, g, summed_over=a.shape[0] * a.shape[1])
-            else:
-                out[name] = _sq(bias)
-        return out
+        return {
+            name: _linear_norm(state[recurrent.site_of(attr)], attr.startswith("weight"))
+            for attr, name in m.attrs
+        }
 
     @staticmethod
     def sums(m, state, w):
-        out = {}
-        for attr, weight in w.items():
-            a, g, bias = state[recurrent.site_of(attr)]
-            if attr.startswith("weight"):
-                gw = _scaled(g, weight).reshape(-1, g.shape[-1])
-                out[attr] = gw.mT @ _keep(a, weight).reshape(-1, a.shape[-1])
-            else:
-                out[attr] = _weighted_sum(bias, weight)
-        return out
+        return {
+            attr: _linear_sum(state[recurrent.site_of(attr)], weight, attr.startswith("weight"))
+            for attr, weight in w.items()
+        }
 
 
 _RULES = {
