@@ -55,6 +55,19 @@ def steps(model, loss_fn, **kwargs):
     return vmap_step, ghost_step
 
 
+def classifier_step(model, optimizer, **kwargs):
+    """``(params, step)``: a cross-entropy loss on ``model`` and its ghost-capable step."""
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        x, y = example
+        out = functional_call(model, (p, buffers), (x.unsqueeze(0),))
+        return F.cross_entropy(out, y.unsqueeze(0))
+
+    args = dict(clip_norm=0.5, noise_multiplier=1.0, model=model, **kwargs)
+    return params, dpfunc.make_train_step(loss_fn, optimizer, **args)
+
+
 def assert_ghost_equals_vmap(model, batch, forward=on_unsqueezed, *, ghosted, mask=None, **kw):
     """Clipped sums and norms agree, and exactly the modules ``ghosted`` used the ghost rules."""
     params, loss_fn = problem(model, forward)
@@ -289,21 +302,8 @@ class LSTMClassifier(nn.Module):
 
 def test_recurrent_ghost_step_compiles_with_allow_rnn():
     torch.manual_seed(3)
-    model = LSTMClassifier()
-    params, buffers = dpfunc.functionalize(model)
-
-    def loss_fn(p, example):
-        tokens, label = example
-        out = functional_call(model, (p, buffers), (tokens.unsqueeze(0),))
-        return F.cross_entropy(out, label.unsqueeze(0))
-
-    step = dpfunc.make_train_step(
-        loss_fn,
-        dpfunc.optim.sgd(lr=0.5),
-        clip_norm=0.5,
-        noise_multiplier=1.0,
-        expected_batch_size=B,
-        model=model,
+    params, step = classifier_step(
+        LSTMClassifier(), dpfunc.optim.sgd(lr=0.5), expected_batch_size=B
     )
     batch = (torch.randint(0, 20, (B, 7)), torch.randint(0, 3, (B,)))
     mask, noise = torch.ones(B), dpfunc.standard_normal_like(params, seed=0, step=0)
@@ -606,21 +606,8 @@ def test_compiled_ghost_step_equals_eager_with_one_graph():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3))
-    params, buffers = dpfunc.functionalize(model)
-
-    def loss_fn(p, example):
-        x, y = example
-        out = functional_call(model, (p, buffers), (x.unsqueeze(0),))
-        return F.cross_entropy(out, y.unsqueeze(0))
-
-    step = dpfunc.make_train_step(
-        loss_fn,
-        dpfunc.optim.adam(lr=0.01),
-        clip_norm=0.5,
-        noise_multiplier=1.0,
-        expected_batch_size=7.5,
-        model=model,
-        method="ghost",
+    params, step = classifier_step(
+        model, dpfunc.optim.adam(lr=0.01), expected_batch_size=7.5, method="ghost"
     )
     counter = CompileCounter()
     counted = torch.compile(step, backend=counter, fullgraph=True)  # compiled before eager ran
@@ -647,21 +634,8 @@ def test_compiled_ghost_step_equals_eager_with_one_graph():
     # code with automatic dynamic shapes, so the parameter shapes are symbolic while
     # tracing; the planner must still find the plan (from the real tensors).
     other = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
-    other_params, other_buffers = dpfunc.functionalize(other)
-
-    def other_loss(p, example):
-        x, y = example
-        out = functional_call(other, (p, other_buffers), (x.unsqueeze(0),))
-        return F.cross_entropy(out, y.unsqueeze(0))
-
-    other_step = dpfunc.make_train_step(
-        other_loss,
-        dpfunc.optim.sgd(lr=0.1),
-        clip_norm=0.5,
-        noise_multiplier=1.0,
-        expected_batch_size=8,
-        model=other,
-        method="ghost",
+    other_params, other_step = classifier_step(
+        other, dpfunc.optim.sgd(lr=0.1), expected_batch_size=8, method="ghost"
     )
     noise = dpfunc.standard_normal_like(other_params, seed=0, step=0)
     state = other_step.init(other_params)
