@@ -8,7 +8,7 @@ noise and average them; the step compiles with ``torch.compile``.
 from . import accounting, data, distributed, optim
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
 from .functional import check_per_example, functionalize, replace_batchnorm
-from .noise import add_noise, average, standard_normal_like
+from .noise import add_noise, average, secret_seed, standard_normal_like
 from .per_sample import per_sample_grads, per_sample_grads_and_losses
 from .step import ExampleStats, TrainState, TrainStep, make_train_step, summarize
 from .trainer import Trainer
@@ -36,6 +36,7 @@ __all__ = [
     "per_sample_grads_and_losses",
     "per_sample_norms",
     "replace_batchnorm",
+    "secret_seed",
     "standard_normal_like",
     "summarize",
     "total_clip_norm",

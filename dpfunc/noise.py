@@ -7,23 +7,44 @@ EXPECTED batch size ``sample_rate * num_examples``. Dividing by the realised
 the sensitivity argument the accountant relies on.
 
 Randomness enters as an explicit standard-normal tree drawn outside the
-compiled step from a generator seeded by ``(seed, step)``: the step stays a
+compiled step from a generator keyed by ``(seed, step)``: the step stays a
 pure function, compiles once, and a run is reproducible and resumable from
 its step count alone.
 
-torch's default generator is not a cryptographically secure source, and
-floating-point Gaussian samples leak in their low bits (Mironov 2012); like
-most DP training libraries, dpfunc accepts this for research use.
+The seed is a secret. Whoever knows it can regenerate every noise draw and
+subtract it from the released update, which leaves the exact clipped sum:
+no privacy at all, whatever epsilon is printed. :func:`secret_seed` draws one
+from the operating system's CSPRNG; a small fixed seed (``seed=0``) is for
+reproducible research only and must never key a run whose privacy matters.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 
 import torch
 from torch import Tensor
 
 from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_map, tree_normal_like
+
+
+SECRET_BITS = 256
+
+
+def secret_seed() -> int:
+    """A fresh secret seed: a uniform ``SECRET_BITS``-bit int from the OS CSPRNG.
+
+    Key the noise (:func:`standard_normal_like`) and the Poisson sample
+    (:func:`dpfunc.data.poisson_sample`) of a private run with it, keep it
+    as private as the data (it lives in memory and in checkpoints), and never
+    log or publish it. Its 256 bits match the SHA-256 and ChaCha20 keys
+    derived from it. :class:`dpfunc.Trainer` draws one when ``seed=None``.
+
+    >>> secret_seed() != secret_seed()
+    True
+    """
+    return secrets.randbits(SECRET_BITS)
 
 
 def standard_normal_like(params: PyTree, seed: int, step: int) -> PyTree:
