@@ -27,7 +27,9 @@ releases noise only) and the accountant counts it.
 The sample of step ``t`` depends only on ``(seed, t)``: resuming a run needs
 only its step count, and every rank of a distributed job draws the same
 logical batch without communicating. ``split_for_rank`` then gives each rank
-a disjoint share.
+a disjoint share. The seed is a secret (:func:`dpfunc.secret_seed`): the
+accountant's amplification by sampling assumes that nobody outside knows
+which examples a step used, and whoever knows the seed knows exactly that.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import optree
 import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset, default_collate
+
+from .noise import secret_seed
 
 PyTree = Any
 MicroBatch = tuple[PyTree, Tensor]  # (batch with leading dim physical_batch_size, mask)
@@ -72,7 +76,7 @@ def poisson_sample(num_examples: int, sample_rate: float, *, seed: int, step: in
         sample_rate: the inclusion probability ``q``, in ``(0, 1]``. The
             expected batch size is ``q * N``; the realised size is
             ``Binomial(N, q)`` and may be 0.
-        seed: a non-negative int naming the run.
+        seed: the run's secret, a non-negative int (see :func:`dpfunc.secret_seed`).
         step: the non-negative step count.
 
     Returns:
@@ -82,10 +86,12 @@ def poisson_sample(num_examples: int, sample_rate: float, *, seed: int, step: in
     Raises:
         ValueError: an argument is out of range or of the wrong type.
 
-    >>> a = poisson_sample(10, 0.5, seed=0, step=3)
-    >>> torch.equal(a, poisson_sample(10, 0.5, seed=0, step=3))
+    >>> from dpfunc import secret_seed
+    >>> secret = secret_seed()
+    >>> a = poisson_sample(10, 0.5, seed=secret, step=3)
+    >>> torch.equal(a, poisson_sample(10, 0.5, seed=secret, step=3))
     True
-    >>> poisson_sample(4, 1.0, seed=0, step=0)
+    >>> poisson_sample(4, 1.0, seed=secret, step=0)
     tensor([0, 1, 2, 3])
     """
     _check_int("num_examples", num_examples, minimum=1)
@@ -324,7 +330,12 @@ class PoissonBatches:
         dataset: any kind that ``dataset_size`` accepts, with >= 1 example.
         sample_rate: the Poisson inclusion probability, in ``(0, 1]``.
         physical_batch_size: rows per micro-batch, an int >= 1.
-        seed: a non-negative int naming the run's sampling stream.
+        seed: the run's secret, a non-negative int; ``None`` (default) draws
+            a fresh one with :func:`dpfunc.secret_seed`. Whoever knows it
+            knows every batch. A fixed seed is for reproducible research
+            only. With ``world_size > 1`` every rank must pass the same
+            secret (:func:`dpfunc.distributed.shared_secret_seed`), so
+            ``None`` is refused there.
         rank: this process's rank, in ``[0, world_size)``.
         world_size: the number of ranks, an int >= 1.
 
@@ -339,7 +350,7 @@ class PoissonBatches:
         sample_rate: float,
         physical_batch_size: int,
         *,
-        seed: int = 0,
+        seed: int | None = None,
         rank: int = 0,
         world_size: int = 1,
     ) -> None:
@@ -348,9 +359,17 @@ class PoissonBatches:
             raise ValueError("dataset must hold at least one example, got 0 examples")
         _check_sample_rate(sample_rate)
         _check_int("physical_batch_size", physical_batch_size, minimum=1)
-        _check_int("seed", seed, minimum=0)
         _check_int("world_size", world_size, minimum=1)
         _check_rank(rank, world_size)
+        if seed is None:
+            if world_size > 1:
+                raise ValueError(
+                    "seed=None would give each rank its own secret and so its own logical "
+                    f"batch; with world_size={world_size} pass the same secret on every rank, "
+                    "e.g. seed=dpfunc.distributed.shared_secret_seed()"
+                )
+            seed = secret_seed()
+        _check_int("seed", seed, minimum=0)
         self.dataset = dataset
         self.num_examples = num_examples
         self.sample_rate = sample_rate
@@ -419,9 +438,9 @@ class PoissonBatches:
         return self.steps()
 
     def __repr__(self) -> str:
-        return (
+        return (  # the seed is a secret: never in a repr or a log
             f"PoissonBatches(num_examples={self.num_examples}, sample_rate={self.sample_rate}, "
-            f"physical_batch_size={self.physical_batch_size}, seed={self.seed}, "
+            f"physical_batch_size={self.physical_batch_size}, seed=<secret>, "
             f"rank={self.rank}, world_size={self.world_size})"
         )
 

@@ -22,9 +22,11 @@ either way: the same ``z`` on every rank would sum to ``W * sigma * C * z``
 large; both waste utility, and neither is what the accountant assumes.
 Broadcasting ``z`` from rank 0 would be correct too but costs a second
 model-sized collective per step. The price of this choice: every rank must
-use the same ``seed`` (:class:`dpfunc.Trainer` checks its settings agree
-across ranks) and its parameters must live on the same kind of device (the
-generator of each rank's device then yields the same stream). Every rank
+use the same secret ``seed`` (:func:`shared_secret_seed` draws it on rank 0
+and broadcasts it; :class:`dpfunc.Trainer` does so when ``seed=None`` and
+checks that its settings agree across ranks) and its parameters must live
+on the same kind of device (the generator of each rank's device then yields
+the same stream). Every rank
 applies the same update to bit-identical parameters (they all receive the
 same reduced tensor), so the ranks' parameters stay bit-identical.
 
@@ -67,13 +69,14 @@ Usage (run with ``torchrun --nproc-per-node 2 script.py``)::
     step = dpfunc.distributed.make_train_step(loss_fn, opt, clip_norm=1.0,
                                               noise_multiplier=1.1, expected_batch_size=256)
     state = step.init(params)                                 # collective: rank 0's params
-    batches = dpfunc.data.PoissonBatches(dataset, 256 / n, 64, seed=0,
+    secret = dpfunc.distributed.shared_secret_seed()          # collective: rank 0 draws it
+    batches = dpfunc.data.PoissonBatches(dataset, 256 / n, 64, seed=secret,
                                          rank=info.rank, world_size=info.world_size)
     for t in range(steps):
         summed = step.zeros(state.params)
         for batch, mask in batches.logical_batch(t)[0]:
             summed, _ = step.accumulate(summed, state.params, batch, mask)
-        noise = dpfunc.standard_normal_like(state.params, seed=0, step=t)
+        noise = dpfunc.standard_normal_like(state.params, seed=secret, step=t)
         state = step.apply(state, summed, noise)             # all-reduce, noise once, update
     dpfunc.distributed.shutdown()
 """
@@ -84,7 +87,7 @@ import datetime
 import hashlib
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 import torch
@@ -92,6 +95,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import optim
+from .noise import SECRET_BITS, secret_seed
 from .per_sample import LossFn
 from .step import ExampleStats, TrainState, TrainStep, summarize
 from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_structure
@@ -109,6 +113,7 @@ __all__ = [
     "is_initialized",
     "make_train_step",
     "rank_and_world_size",
+    "shared_secret_seed",
     "shutdown",
 ]
 
@@ -368,11 +373,14 @@ def _hash(value: Any) -> int:
     return int.from_bytes(digest[:8], "little", signed=True)
 
 
-def check_same_across_ranks(settings: Mapping[str, Any], what: str = "settings") -> None:
+def check_same_across_ranks(
+    settings: Mapping[str, Any], what: str = "settings", *, secret: Collection[str] = ()
+) -> None:
     """Raises ``ValueError`` on every rank unless all ranks pass equal ``settings``.
 
-    Values are compared by a hash of their ``repr``; the keys must be the same
-    on every rank. One small all-gather.
+    Values are compared by a 64-bit hash of their ``repr``; the keys must be
+    the same on every rank. One small all-gather. The values of the keys in
+    ``secret`` (a seed) never appear in an error message.
 
     Raises:
         ValueError: a value differs between ranks (the message names its key).
@@ -394,11 +402,35 @@ def check_same_across_ranks(settings: Mapping[str, Any], what: str = "settings")
     for column, key in enumerate(keys, start=1):
         if not bool((table[:, column] == table[0, column]).all()):
             ranks = [r for r in range(table.shape[0]) if table[r, column] != table[0, column]]
+            shown = "<secret>" if key in secret else repr(settings[key])
             raise ValueError(
                 f"{what}: {key} differs across ranks (ranks {ranks} differ from rank 0; "
-                f"rank {dist.get_rank()} has {key}={settings[key]!r}); every rank must use "
-                "the same value"
+                f"rank {dist.get_rank()} has {key}={shown}); every rank must use the same value"
             )
+
+
+def shared_secret_seed() -> int:
+    """A fresh secret seed, the same on every rank: rank 0 draws it and broadcasts it.
+
+    Collective: call it on every rank. The seed keys the Poisson sample and
+    the noise, so every rank must hold the same one (or ranks would add
+    different noise and draw different logical batches), and no rank may
+    derive it from anything public such as its rank or the time. It travels
+    only inside the process group, like the gradients do.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        CollectiveError: the broadcast failed.
+    """
+    _require_group("shared_secret_seed")
+    words = SECRET_BITS // 64
+    mask = (1 << 64) - 1
+    value = secret_seed() if dist.get_rank() == 0 else 0
+    signed = [(value >> (64 * k)) & mask for k in range(words)]
+    signed = [w - (1 << 64) if w >= 1 << 63 else w for w in signed]  # int64 two's complement
+    buffer = torch.tensor(signed, dtype=torch.int64, device=_small_device())
+    _collective("broadcast of rank 0's secret seed", None, lambda: dist.broadcast(buffer, src=0))
+    return sum((int(w) & mask) << (64 * k) for k, w in enumerate(buffer.cpu().tolist()))
 
 
 def gather_flags(ok: bool, what: str, step: int | None = None) -> list[bool]:

@@ -9,6 +9,13 @@ epoch, and checkpoint so that a resumed run ends bit-identical to an
 uninterrupted one (the sample and the noise of step t depend only on the
 seed and t).
 
+The seed is a secret. By default (``seed=None``) each Trainer draws a fresh
+256-bit one from the operating system's CSPRNG (:func:`dpfunc.secret_seed`);
+it lives in memory and in checkpoints only. Whoever knows the seed can
+regenerate every noise draw, subtract it from the released parameters and
+read the clipped gradient sums, whatever epsilon is printed; a fixed integer
+seed is therefore for reproducible research only.
+
 Distributed (data-parallel) training: launch the same script on every rank
 with ``torchrun`` and call ``dpfunc.distributed.init()`` before building the
 ``Trainer``; it detects the process group (``distributed=None``) and then
@@ -37,12 +44,12 @@ from . import distributed as _distributed
 from . import optim
 from .accounting import Accountant, calibrate_noise_multiplier
 from .data import PoissonBatches, dataset_fingerprint, dataset_size
-from .noise import standard_normal_like
+from .noise import secret_seed, standard_normal_like
 from .per_sample import LossFn
 from .step import ExampleStats, TrainState, make_train_step, summarize
 from .tree import Params
 
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: the secret seed and the noise kind
 
 
 class Trainer:
@@ -73,7 +80,19 @@ class Trainer:
         epsilon_budget: stop before a step would make epsilon exceed this.
         eval_fn: ``eval_fn(params) -> dict[str, float]`` called after each
             epoch; its results go into the history.
-        seed: fixes the Poisson samples and the noise.
+        seed: the secret that keys the Poisson samples and the noise.
+            ``None`` (default) draws a fresh one from the OS CSPRNG
+            (distributed: rank 0 draws it and broadcasts it), so no two runs
+            share it and nobody can regenerate the noise. An int makes the run
+            reproducible, and **whoever knows it can remove the noise**: give
+            one for research on public data or debugging only, never a small
+            or published number on private data. A Trainer built with
+            ``seed=None`` adopts the seed of a checkpoint it loads.
+        secure_noise: draw the noise from a cryptographically secure
+            generator with the floating-point defences of
+            ``standard_normal_like(..., secure=True)`` (needs the ``secure``
+            extra). The default draw comes from torch's generator, which is
+            fast but not cryptographically secure.
         compile: run the step through ``torch.compile(fullgraph=True)``.
         checkpoint_path: where :meth:`fit` saves after every epoch (and
             every ``checkpoint_every`` steps if given).
@@ -120,7 +139,8 @@ class Trainer:
         accounting: str = "pld",
         epsilon_budget: float | None = None,
         eval_fn: Callable[[Params], dict[str, float]] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
+        secure_noise: bool = False,
         compile: bool = False,
         checkpoint_path: str | os.PathLike | None = None,
         checkpoint_every: int | None = None,
@@ -182,6 +202,11 @@ class Trainer:
             )
         if checkpoint_every is not None and checkpoint_path is None:
             raise ValueError("checkpoint_every needs checkpoint_path")
+        if seed is not None and not (_is_number(seed) and isinstance(seed, int) and seed >= 0):
+            shown = "a negative int" if isinstance(seed, int) else type(seed).__name__
+            raise ValueError(f"seed must be None (a fresh secret) or an int >= 0, got {shown}")
+        if not isinstance(secure_noise, bool):
+            raise ValueError(f"secure_noise must be a bool, got secure_noise={secure_noise!r}")
 
         self.num_examples = n
         self.sample_rate = expected_batch_size / n
@@ -193,7 +218,11 @@ class Trainer:
                 target_epsilon, delta, self.sample_rate, self.total_steps, method=accounting
             )
         self.noise_multiplier = float(noise_multiplier)
+        self._seed_drawn = seed is None  # a drawn secret gives way to a loaded checkpoint's
+        if seed is None:
+            seed = _distributed.shared_secret_seed() if self.distributed else secret_seed()
         self.seed = seed
+        self.secure_noise = secure_noise
         self.epsilon_budget = epsilon_budget
         self.eval_fn = eval_fn
         self.progress = progress
@@ -209,6 +238,7 @@ class Trainer:
                     "clip_norm": clip_norm,
                     "clipping": clipping,
                     "seed": seed,
+                    "secure_noise": secure_noise,
                     "expected_batch_size": expected_batch_size,
                     "physical_batch_size": physical_batch_size,
                     "total_steps": self.total_steps,
@@ -218,6 +248,7 @@ class Trainer:
                     "dataset": dataset_fingerprint(dataset),
                 },
                 "Trainer settings",
+                secret=("seed",),
             )
         make_step = _distributed.make_train_step if self.distributed else make_train_step
         self.step_fn = make_step(
@@ -292,7 +323,9 @@ class Trainer:
             summed = self.step_fn.all_reduce(summed, step=t)
             stats = self.step_fn.gather_stats(stats, step=t)
         # the same noise on every rank (same seed and step), added once to the global sum
-        noise = standard_normal_like(self.state.params, seed=self.seed, step=t)
+        noise = standard_normal_like(
+            self.state.params, seed=self.seed, step=t, secure=self.secure_noise
+        )
         # accounted before the release: an interruption can only over-count
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         self.state = self._apply(self.state, summed, noise)
@@ -408,6 +441,7 @@ class Trainer:
             "clip_norm": self.step_fn.clip_norm,
             "clipping": self.step_fn.clipping,
             "seed": self.seed,
+            "secure_noise": self.secure_noise,
             "accounting": self.accountant.method,
             "delta": self.delta,
             "physical_batch_size": self.batches.physical_batch_size,
@@ -418,7 +452,11 @@ class Trainer:
 
         It holds the parameters, the optimizer state, the accountant's
         history, the step count (which fixes the sampler and noise streams),
-        the run's privacy settings and the history.
+        the run's privacy settings and the history, and the secret seed, so
+        that a resumed run stays bit-identical. **A checkpoint is as
+        sensitive as the training data**: with the seed, anyone can remove
+        the noise from every update it saw. Store it where the data is stored,
+        never next to the released model.
 
         Distributed: collective, call it on every rank. Rank 0 writes (the
         ranks' states are identical); then all ranks wait until the file is
@@ -484,8 +522,7 @@ class Trainer:
                 or read a different file. The trainer is left unchanged.
         """
         if not self.distributed:
-            self.state, self.accountant, self.history = self._read(path)
-            self._budget_steps = None
+            self._restore(self._read(path))
             return
         error = loaded = None
         try:
@@ -509,10 +546,14 @@ class Trainer:
             {"steps": loaded[1].steps, "sha256": digest},
             f"checkpoint {os.fspath(path)!r} as read by each rank",
         )
-        self.state, self.accountant, self.history = loaded
+        self._restore(loaded)
+
+    def _restore(self, loaded: tuple[TrainState, Accountant, list, int]) -> None:
+        self.state, self.accountant, self.history, self.seed = loaded
+        self.batches.seed = self.seed
         self._budget_steps = None
 
-    def _read(self, path: str | os.PathLike) -> tuple[TrainState, Accountant, list]:
+    def _read(self, path: str | os.PathLike) -> tuple[TrainState, Accountant, list, int]:
         """Reads and validates a checkpoint; changes nothing.
 
         Raises ValueError for every kind of bad file, so that in a distributed
@@ -531,12 +572,22 @@ class Trainer:
                 f"checkpoint {os.fspath(path)!r} is malformed: {type(error).__name__}: {error}"
             ) from error
 
-    def _validate(self, path, checkpoint: Any) -> tuple[TrainState, Accountant, list]:
+    def _validate(self, path, checkpoint: Any) -> tuple[TrainState, Accountant, list, int]:
         if not isinstance(checkpoint, dict) or checkpoint.get("version") != CHECKPOINT_VERSION:
-            raise ValueError(f"{os.fspath(path)!r} is not a dpfunc checkpoint (version 1)")
+            raise ValueError(
+                f"{os.fspath(path)!r} is not a dpfunc checkpoint (version {CHECKPOINT_VERSION})"
+            )
         saved, ours = checkpoint["config"], self._config()
+        seed = saved["seed"]
+        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+            raise ValueError(f"checkpoint {os.fspath(path)!r} holds no valid seed")
+        if seed != self.seed and not self._seed_drawn:
+            raise ValueError(  # neither seed is printed: both are secrets
+                f"checkpoint {os.fspath(path)!r} was written with another seed than the one "
+                "this trainer was given; build the trainer with seed=None to resume it"
+            )
         for key, value in ours.items():
-            if saved.get(key) != value:
+            if key != "seed" and saved.get(key) != value:
                 raise ValueError(
                     f"checkpoint {os.fspath(path)!r} was written with {key}={saved.get(key)!r}, "
                     f"but this trainer has {key}={value!r}"
@@ -560,7 +611,7 @@ class Trainer:
                 f"checkpoint {os.fspath(path)!r} is inconsistent: {int(state.step)} optimizer "
                 f"steps but {accountant.steps} accounted steps"
             )
-        return state, accountant, list(checkpoint["history"])
+        return state, accountant, list(checkpoint["history"]), seed
 
 
 def _is_number(value: Any) -> bool:

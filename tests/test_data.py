@@ -358,6 +358,16 @@ def test_poisson_batches_single_rank_matches_functions():
     assert first[0] == 0 and real_ids(first[1]) == poisson_sample(30, 0.3, seed=2, step=0).tolist()
 
 
+def test_poisson_batches_default_to_a_fresh_secret_seed():
+    dataset = rows_dataset(30)
+    one, two = PoissonBatches(dataset, 0.5, 4), PoissonBatches(dataset, 0.5, 4)
+    assert one.seed != two.seed and one.seed.bit_length() > 200
+    assert str(one.seed) not in repr(one) and "seed=<secret>" in repr(one)
+    assert any(not torch.equal(one.indices(t), two.indices(t)) for t in range(5))
+    with pytest.raises(ValueError, match="shared_secret_seed"):  # ranks would disagree
+        PoissonBatches(dataset, 0.5, 4, rank=0, world_size=2)
+
+
 # ----------------------------------------------------------------------------- validation
 
 

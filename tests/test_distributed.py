@@ -43,7 +43,7 @@ TRAINER = dict(
     delta=1e-3,
     physical_batch_size=2,
     accounting="rdp",
-    seed=3,
+    seed=3,  # a public seed: reproducible test runs, no privacy
 )
 RESUME_AT = 3
 
@@ -220,6 +220,9 @@ def trainer_resume(rank: int, outdir: str) -> dict:
         make_trainer(seed=rank)
     except ValueError as error:
         errors["seed"] = str(error)
+    drawn = make_trainer(seed=None)  # rank 0 draws the secret and broadcasts it
+    adopting = make_trainer(seed=None)
+    adopting.load(checkpoint)  # a drawn secret gives way to the checkpoint's
     fresh = make_trainer()
     try:  # rank 1 cannot read its file: every rank raises, nobody changes
         fresh.load(checkpoint if rank == 0 else os.path.join(outdir, "missing.pt"))
@@ -232,6 +235,8 @@ def trainer_resume(rank: int, outdir: str) -> dict:
         "loaded_steps": loaded_steps,
         "errors": errors,
         "fresh_steps": fresh.steps_done,
+        "drawn_seed": drawn.seed,
+        "adopted_seed": adopting.seed,
     }
 
 
@@ -410,7 +415,11 @@ def test_trainer_resumes_a_two_rank_run_bit_identically(main_run):
         for key in ("epoch", "steps", "epsilon"):
             assert resumed[r]["history"][-1][key] == whole[0]["history"][-1][key]
         assert "seed differs across ranks" in resumed[r]["errors"]["seed"]
+        assert "seed=<secret>" in resumed[r]["errors"]["seed"]  # never printed
+        assert resumed[r]["adopted_seed"] == TRAINER["seed"]
         assert resumed[r]["fresh_steps"] == 0  # a failed load changes nothing
+    assert resumed[0]["drawn_seed"] == resumed[1]["drawn_seed"] != TRAINER["seed"]
+    assert resumed[0]["drawn_seed"].bit_length() > 200
     assert "could not be loaded on ranks [1]" in resumed[0]["errors"]["load"]
     assert (
         "missing.pt" in resumed[1]["errors"]["load"]

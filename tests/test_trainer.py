@@ -111,7 +111,8 @@ def test_eval_values_are_stored_as_floats_or_refused():
 
 
 def test_empty_poisson_batches_are_steps_with_noise_only():
-    trainer = make(expected_batch_size=0.01, epochs=0.01 / 120 * 5)  # five steps
+    # five steps; a public seed whose five samples are all empty
+    trainer = make(expected_batch_size=0.01, epochs=0.01 / 120 * 5, seed=0)
     sizes = [trainer.batches.counts_per_rank(t)[0] for t in range(trainer.total_steps)]
     before = {k: v.clone() for k, v in trainer.params.items()}
     trainer.fit()
@@ -129,21 +130,49 @@ def test_oversized_batches_use_several_micro_batches():
 
 
 def test_resume_is_bit_identical(tmp_path):
-    whole = make(epochs=3)
+    whole = make(epochs=3)  # a fresh secret seed
     whole.fit()
 
-    first = make(epochs=3)
+    first = make(epochs=3, seed=whole.seed)
     first.fit(max_steps=7)
     assert first.steps_done == 7
     first.save(tmp_path / "run.pt")
 
-    resumed = make(epochs=3)
+    resumed = make(epochs=3)  # draws its own secret, then takes the checkpoint's
+    assert resumed.seed != whole.seed
     resumed.load(tmp_path / "run.pt")
+    assert resumed.seed == whole.seed and resumed.batches.seed == whole.seed
     assert resumed.steps_done == 7
     resumed.fit()
     for k in whole.params:
         assert torch.equal(resumed.params[k], whole.params[k])
     assert resumed.epsilon() == whole.epsilon()
+
+
+def test_default_seed_is_a_fresh_secret_and_a_given_one_reproduces():
+    one, two = make(), make()
+    assert one.seed != two.seed and one.seed.bit_length() > 200  # 256 random bits
+    assert str(one.seed) not in repr(one.batches)
+    one.fit(max_steps=2)
+    two.fit(max_steps=2)
+    assert any(not torch.equal(one.params[k], two.params[k]) for k in one.params)
+    same = [make(seed=12345), make(seed=12345)]  # reproducible research only: no privacy
+    for trainer in same:
+        trainer.fit(max_steps=2)
+    assert all(torch.equal(same[0].params[k], same[1].params[k]) for k in one.params)
+
+
+def test_a_checkpoint_of_another_seed_is_refused_without_printing_either(tmp_path):
+    path = tmp_path / "ck.pt"
+    secret = dpfunc.secret_seed()
+    make(seed=secret).save(path)
+    other = dpfunc.secret_seed()
+    with pytest.raises(ValueError, match="another seed") as caught:
+        make(seed=other).load(path)
+    assert str(secret) not in str(caught.value) and str(other) not in str(caught.value)
+    with pytest.raises(ValueError, match="secure_noise"):
+        make(seed=secret, secure_noise=True).load(path)
+    assert torch.load(path, weights_only=True)["config"]["seed"] == secret
 
 
 def test_checkpoint_written_during_fit_resumes(tmp_path):
@@ -246,6 +275,10 @@ def test_default_delta_is_below_one_over_n_and_large_delta_warns():
         (dict(epsilon_budget="2"), "epsilon_budget='2'"),
         (dict(epochs=True), "epochs=True"),
         (dict(checkpoint_every=3), "checkpoint_path"),
+        (dict(seed=-1), "seed must be None .* got a negative int"),
+        (dict(seed=1.0), "seed must be None .* got float"),
+        (dict(seed=True), "seed must be None .* got bool"),
+        (dict(secure_noise=1), "secure_noise must be a bool, got secure_noise=1"),
     ],
 )
 def test_bad_arguments_raise(overrides, match):
