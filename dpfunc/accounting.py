@@ -42,6 +42,7 @@ For example, ``noise_multiplier=1.5``, ``sample_rate=0.04``,
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import numbers
@@ -164,8 +165,17 @@ def _run_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_ac
 
 
 def _history_epsilon(history: History, delta: float, method: str) -> float:
-    """Epsilon of already-validated runs ``(noise_multiplier, sample_rate, steps)``."""
-    runs = [run for run in history if run[2] > 0]
+    """Epsilon of already-validated runs ``(noise_multiplier, sample_rate, steps)``.
+
+    Memoised (a pure function of its arguments): runs that repeat one
+    configuration, such as the audits of :mod:`dpfunc.audit`, pay for the
+    PLD construction once.
+    """
+    return _runs_epsilon(tuple(tuple(run) for run in history if run[2] > 0), delta, method)
+
+
+@functools.lru_cache(maxsize=256)
+def _runs_epsilon(runs: tuple[tuple[float, float, int], ...], delta: float, method: str) -> float:
     if not runs:
         return 0.0
     if any(sigma == 0.0 for sigma, _, _ in runs):
