@@ -1,0 +1,411 @@
+"""Empirical privacy auditing: lower bounds on epsilon from canary experiments.
+
+An accountant's epsilon is an upper bound that holds if the code does what
+the analysis assumes. An audit measures instead: train many times with and
+without one chosen example (the *canary*), score each run with a statistic
+that should be larger when the canary was present, and turn the two sets of
+scores into an epsilon that the runs *prove*. If the code is sound, that
+lower bound stays below the accountant's epsilon (up to the stated
+confidence); if the code leaks more than it claims (too little noise, a
+missing clip, a data-dependent denominator, a seed the attacker knows), the
+lower bound can exceed the claim, and the audit has caught it.
+
+Two pieces:
+
+* :func:`epsilon_lower_bound` turns scores into a bound. It is the
+  hypothesis-testing view of differential privacy (Kairouz, Oh and
+  Viswanath 2015; as used for auditing by Jagielski, Ullman and Oprea 2020,
+  "Auditing Differentially Private Machine Learning: How Private is Private
+  SGD?", and Nasr, Song, Thakurta, Papernot and Carlini 2021, "Adversary
+  Instantiation"): any test that tells the runs apart with false-positive
+  rate ``FPR`` and true-positive rate ``TPR`` certifies ``epsilon >=
+  log((TPR - delta) / FPR)``, with the rates replaced by confidence bounds.
+* :class:`GradientCanary` and :func:`canary_scores` run the real training
+  code (:func:`dpfunc.make_train_step` on the vmap or ghost path, with
+  micro-batches and any clipping mode, or :class:`dpfunc.Trainer`) on a
+  small problem with a white-box *gradient canary*: an example whose
+  gradient is a fixed direction ``u`` with a norm far above the clip norm,
+  in coordinates no other example's gradient touches (the Dirac canary of
+  Nasr, Hayes, Steinke, Balle, Tramèr, Jagielski, Carlini and Terzis 2023,
+  "Tight Auditing of Differentially Private Machine Learning"). The score of
+  a run is the total update's projection on ``u``, in units of the clip
+  norm, which is how the strongest attacker who sees the final parameters
+  and knows everything but the noise and the sample would look.
+
+What an audit proves, and what it does not: a bound above the claimed
+epsilon is proof (at the stated confidence) that the implementation is
+less private than claimed. A bound below it proves nothing about privacy:
+the canary, the statistic and the number of runs limit what it can see,
+and with ``n`` runs a side no bound much above ``log(n)`` is reachable.
+Audits complement the analytic tests; they do not replace them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from scipy import stats
+from torch import Tensor, nn
+
+from .noise import secret_seed
+from .tree import Params
+
+__all__ = [
+    "GradientCanary",
+    "canary_scores",
+    "epsilon_lower_bound",
+    "threshold_ranks",
+]
+
+
+# --------------------------------------------------------------------------- the bound
+
+
+def threshold_ranks(num_scores: int) -> list[int]:
+    """The ranks ``k`` at which :func:`epsilon_lower_bound` places its thresholds.
+
+    Powers of two from 1 to ``num_scores / 2``: about ``log2(num_scores)``
+    candidates. They are fixed before the
+    scores are seen, which is what lets the bound pay for choosing the best
+    threshold with a union bound over this short list only.
+
+    >>> threshold_ranks(10)
+    [1, 2, 4]
+    """
+    ranks = [1]
+    while 2 * ranks[-1] <= num_scores / 2:
+        ranks.append(2 * ranks[-1])
+    return ranks
+
+
+def _as_scores(name: str, scores: Any) -> np.ndarray:
+    if isinstance(scores, Tensor):
+        scores = scores.detach().cpu().double().numpy()
+    try:
+        array = np.asarray(scores, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise TypeError(
+            f"{name} must be a 1-D tensor or array of numbers, got {type(scores).__name__}"
+        ) from error
+    if array.ndim != 1 or array.size < 1:
+        raise ValueError(f"{name} must be 1-D and non-empty, got shape {array.shape}")
+    if not np.isfinite(array).all():
+        raise ValueError(
+            f"{name} must be finite, got {int((~np.isfinite(array)).sum())} non-finite"
+        )
+    return array
+
+
+def _one_sided(positive: np.ndarray, negative: np.ndarray, delta: float, alpha: float) -> float:
+    """The bound from events "score at or above a threshold": positive over negative runs.
+
+    Thresholds are the ``k``-th largest negative scores for ``k`` in
+    :func:`threshold_ranks`. For a continuous score, the negative
+    distribution's mass at or above the ``k``-th largest of ``m`` negative
+    scores is ``Beta(k, m - k + 1)``-distributed whatever the score's
+    distribution, so its upper confidence bound is exact; the positive runs, independent of that
+    threshold, give a Clopper-Pearson lower bound on the true-positive
+    rate. Each of its ``2 * len(ranks)`` confidence statements gets
+    ``alpha / (2 * len(ranks))`` (a union bound), and ties are broken by
+    keys drawn independently of the scores (a randomised test), which makes
+    the order continuous.
+    """
+    m, n = negative.size, positive.size
+    ranks = threshold_ranks(m)
+    level = alpha / (2 * len(ranks))
+    keys = np.random.default_rng(0x5EED).random(m + n)  # public: only breaks ties
+    order = np.lexsort((keys, np.concatenate([negative, positive])))
+    position = np.empty(m + n, dtype=np.int64)
+    position[order] = np.arange(m + n)
+    negative_positions = np.sort(position[:m])[::-1]  # largest first
+    positive_positions = position[m:]
+    best = 0.0
+    for k in ranks:
+        threshold = negative_positions[k - 1]
+        fpr_upper = stats.beta.ppf(1 - level, k, m - k + 1)
+        hits = int((positive_positions > threshold).sum())
+        tpr_lower = stats.beta.ppf(level, hits, n - hits + 1) if hits > 0 else 0.0
+        if tpr_lower - delta > 0:
+            best = max(best, math.log((tpr_lower - delta) / fpr_upper))
+    return best
+
+
+def epsilon_lower_bound(
+    scores_in: Any, scores_out: Any, *, delta: float, confidence: float = 0.95
+) -> float:
+    """A lower bound on epsilon from runs with and without the canary.
+
+    Under add/remove-one differential privacy at ``(epsilon, delta)``,
+    every event ``E`` of a run's output has ``P_in(E) <= exp(epsilon) *
+    P_out(E) + delta`` and ``P_out(E) <= exp(epsilon) * P_in(E) + delta``
+    (the neighbours can be taken either way round; Kairouz, Oh and
+    Viswanath 2015). Each threshold event (score above, or below, a
+    threshold) therefore certifies ``epsilon >= log((P_a(E) - delta) /
+    P_b(E))``, with the probabilities replaced by one-sided confidence
+    bounds: an exact order-statistic (Beta) bound for the side the
+    threshold was taken from and a Clopper-Pearson bound for the other
+    (Jagielski, Ullman and Oprea 2020; Nasr et al. 2021). Thresholds sit at
+    the ranks :func:`threshold_ranks` fixes in advance; all four families
+    (above or below, in over out or out over in) are tried and the best is
+    returned. A union bound over every confidence statement pays for that
+    choice, so the result holds with probability at least ``confidence``
+    over the runs, for every mechanism, with no assumption on the scores'
+    distribution: they only need to come from independent runs, and their
+    direction does not matter.
+
+    Args:
+        scores_in: one score per run with the canary (a 1-D tensor, array
+            or sequence of finite numbers).
+        scores_out: one score per run without it.
+        delta: the delta of the claim being audited, in ``[0, 1)``.
+        confidence: the probability, over the runs, that the bound holds;
+            in ``(0, 1)``.
+
+    Returns:
+        ``epsilon_lb >= 0`` such that, if the mechanism is
+        ``(epsilon, delta)``-DP, ``epsilon >= epsilon_lb`` with probability
+        at least ``confidence``. ``0.0`` when the runs show nothing. With
+        ``n`` runs a side, no result exceeds about ``log(n)``.
+
+    Raises:
+        ValueError: empty, non-1-D or non-finite scores, or ``delta`` or
+            ``confidence`` out of range.
+        TypeError: scores that are not numbers.
+
+    For two unit-variance Gaussians one standard deviation apart (true
+    epsilon about 4.4 at ``delta=1e-5``), 10,000 scores a side give about
+    2.1:
+
+    >>> rng = np.random.default_rng(1)
+    >>> bound = epsilon_lower_bound(rng.normal(1, 1, 10_000), rng.normal(0, 1, 10_000),
+    ...                             delta=1e-5)
+    >>> 1.76 < bound < 4.4
+    True
+    """
+    positive = _as_scores("scores_in", scores_in)
+    negative = _as_scores("scores_out", scores_out)
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < 1:
+        raise ValueError(f"delta must be a number in [0, 1), got delta={delta!r}")
+    if (
+        isinstance(confidence, bool)
+        or not isinstance(confidence, (int, float))
+        or not 0 < confidence < 1
+    ):
+        raise ValueError(f"confidence must be in (0, 1), got confidence={confidence!r}")
+    alpha = (1 - confidence) / 4  # a quarter for each of the four families of tests
+    return max(
+        _one_sided(a, b, delta, alpha)
+        for a, b in (
+            (positive, negative),
+            (-negative, -positive),
+            (negative, positive),
+            (-positive, -negative),
+        )
+    )
+
+
+# --------------------------------------------------------------------------- canaries
+
+REAL, CANARY, NULL = 0, 1, 2  # the kinds of rows in a GradientCanary dataset
+Columns = tuple[Tensor, Tensor, Tensor]  # x, y, kind
+
+
+class GradientCanary:
+    """A small private problem with ``canaries`` white-box gradient canaries.
+
+    The model is ``nn.Linear(canaries + features, classes, bias=False)``.
+    Its first ``canaries`` input coordinates belong to the canaries, one
+    each; the ``examples`` real examples (Gaussian features, random labels,
+    cross-entropy loss) live in the last ``features`` coordinates, so their
+    gradients never touch a canary's weights. Canary ``i`` is the input
+    ``canary_norm * e_i`` with the loss ``<model(x), v>`` for a fixed unit
+    vector ``v``: its gradient is ``canary_norm * v e_i^T`` whatever the
+    parameters, a Dirac canary whose clipped contribution is ``clip_norm``
+    times the unit direction ``u_i = v e_i^T`` (Nasr et al. 2023). It goes
+    through the model's forward, so the vmap and the ghost paths both clip
+    it.
+
+    Canaries are independent experiments: their directions are orthogonal,
+    each example is clipped on its own, and DP-SGD's noise is independent
+    across coordinates, so one training run yields one score per canary.
+    (A mechanism that couples examples, e.g. by dividing by the realised
+    batch size, breaks that independence: audit it with ``canaries=1``.)
+
+    Rows are ``(x, y, kind)`` with ``kind`` 0 for a real example, 1 for a
+    present canary and 2 for a *null* row whose loss is 0, so its gradient
+    and its clipped contribution are exactly 0: ``dataset(included,
+    keep_size=True)`` puts a null row where a canary is left out, which
+    keeps the dataset size, and so a Trainer's sampling rate and epsilon,
+    the same in every run; for a mechanism that only sees the clipped sum,
+    a null row and no row are the same.
+
+    Args:
+        canaries: the number of canaries, an int >= 1.
+        examples: the number of real examples, an int >= 0.
+        features: their feature dimension, an int >= 1.
+        classes: the model's outputs, an int >= 2.
+        canary_norm: the norm of a canary's gradient; far above any clip
+            norm you audit.
+        seed: fixes the real examples and the initial parameters (public:
+            the audit's attacker knows everything but the noise and the
+            sample).
+    """
+
+    def __init__(
+        self,
+        canaries: int = 1000,
+        *,
+        examples: int = 16,
+        features: int = 4,
+        classes: int = 2,
+        canary_norm: float = 1e3,
+        seed: int = 0,
+    ) -> None:
+        for name, value, minimum in (
+            ("canaries", canaries, 1),
+            ("examples", examples, 0),
+            ("features", features, 1),
+            ("classes", classes, 2),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
+        if not (isinstance(canary_norm, (int, float)) and 0 < canary_norm < math.inf):
+            raise ValueError(f"canary_norm must be finite and > 0, got canary_norm={canary_norm!r}")
+        self.canaries, self.examples, self.canary_norm = canaries, examples, float(canary_norm)
+        generator = torch.Generator().manual_seed(seed)
+        self.model = nn.Linear(canaries + features, classes, bias=False)
+        with torch.no_grad():
+            self.model.weight.copy_(0.1 * torch.randn(self.model.weight.shape, generator=generator))
+        self.params: Params = {"weight": self.model.weight.detach().clone()}
+        v = torch.ones(classes)
+        v[1::2] = -1.0
+        self.v = v / v.norm()
+        real = torch.zeros(examples, canaries + features)
+        real[:, canaries:] = torch.randn(examples, features, generator=generator)
+        self._real = (real, torch.randint(classes, (examples,), generator=generator))
+
+    def loss_fn(self, params: Params, example: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        """The loss of ONE row ``(x, y, kind)``: cross-entropy, the canary's, or 0."""
+        x, y, kind = example
+        out = torch.func.functional_call(self.model, params, (x.unsqueeze(0),))[0]
+        canary = out @ self.v
+        real = nn.functional.cross_entropy(out.unsqueeze(0), y.unsqueeze(0))
+        return torch.where(kind == CANARY, canary, torch.where(kind == REAL, real, 0 * canary))
+
+    def dataset(
+        self, included: Tensor, *, keep_size: bool = False
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The columns ``(x, y, kind)``: the real examples, then the included canaries.
+
+        Args:
+            included: a bool tensor ``[canaries]``, True for each canary in
+                this run's dataset.
+            keep_size: put a null row (zero gradient) for each left-out
+                canary, so every run has ``examples + canaries`` rows.
+        """
+        if not isinstance(included, Tensor) or included.shape != (self.canaries,):
+            raise ValueError(
+                f"included must be a bool tensor of shape ({self.canaries},), got {included!r}"
+            )
+        included = included.to(torch.bool)
+        rows = torch.arange(self.canaries) if keep_size else torch.nonzero(included).flatten()
+        x = torch.zeros(rows.numel(), self.model.in_features)
+        x[torch.arange(rows.numel()), rows] = self.canary_norm
+        kind = torch.where(included[rows], CANARY, NULL)
+        real_x, real_y = self._real
+        return (
+            torch.cat([real_x, x]),
+            torch.cat([real_y, torch.zeros(rows.numel(), dtype=torch.int64)]),
+            torch.cat([torch.full((self.examples,), REAL), kind]),
+        )
+
+    def scores(self, params: Params) -> Tensor:
+        """Each canary's score: the total update's projection on its direction.
+
+        ``<params_0 - params, u_i>`` for the initial ``params_0``: positive
+        where the canary pulled the parameters (gradient descent moves
+        against the gradient), in the parameters' units. Float64, ``[canaries]``.
+        """
+        moved = (self.params["weight"] - params["weight"]).double()
+        return self.v.double() @ moved[:, : self.canaries]
+
+
+class CanaryScores(NamedTuple):
+    scores_in: Tensor  # float64 [runs * included per run]: canaries present
+    scores_out: Tensor  # float64: canaries left out
+
+
+def canary_scores(
+    train: Callable[[Columns], Params],
+    canary: GradientCanary,
+    runs: int,
+    *,
+    keep_size: bool = False,
+    seed: int = 0,
+) -> CanaryScores:
+    """Runs ``train`` ``runs`` times, each canary present with probability 1/2.
+
+    Args:
+        train: ``train(dataset) -> params``: trains from ``canary.params``
+            on the dataset (the columns ``(x, y, kind)``) with the code under
+            audit and returns the final parameters, e.g. a
+            :class:`dpfunc.Trainer`'s ``fit`` or a loop over
+            ``make_train_step``. It must draw its own secret randomness.
+        canary: the problem.
+        runs: independent training runs, an int >= 1.
+        keep_size: see :meth:`GradientCanary.dataset`.
+        seed: fixes which canaries each run includes. Public on purpose:
+            the auditor knows the experiment's design, the noise stays
+            secret.
+
+    Returns:
+        ``(scores_in, scores_out)`` for :func:`epsilon_lower_bound`.
+    """
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
+        raise ValueError(f"runs must be an int >= 1, got runs={runs!r}")
+    generator = torch.Generator().manual_seed(seed)
+    scores_in, scores_out = [], []
+    for _ in range(runs):
+        included = torch.rand(canary.canaries, generator=generator) < 0.5
+        params = train(canary.dataset(included, keep_size=keep_size))
+        score = canary.scores(params)
+        scores_in.append(score[included])
+        scores_out.append(score[~included])
+    return CanaryScores(torch.cat(scores_in), torch.cat(scores_out))
+
+
+def train_with_step(
+    step: Any,
+    params: Params,
+    dataset: Any,
+    *,
+    steps: int,
+    sample_rate: float,
+    physical_batch_size: int,
+    seed: int | None = None,
+    secure_noise: bool = False,
+) -> Params:
+    """Trains ``steps`` private steps with ``step`` (a TrainStep) the way the functional API does.
+
+    Each step draws a Poisson sample (:class:`dpfunc.data.PoissonBatches`),
+    accumulates its fixed-shape micro-batches with ``step.accumulate``,
+    draws the noise with ``standard_normal_like`` and applies it once with
+    ``step.apply``. ``seed=None`` draws a fresh secret.
+    """
+    from .data import PoissonBatches
+    from .noise import standard_normal_like
+
+    seed = secret_seed() if seed is None else seed
+    batches = PoissonBatches(dataset, sample_rate, physical_batch_size, seed=seed)
+    state = step.init(params)
+    for t in range(steps):
+        summed = step.zeros(state.params)
+        for batch, mask in batches.logical_batch(t)[0]:
+            summed, _ = step.accumulate(summed, state.params, batch, mask)
+        noise = standard_normal_like(state.params, seed=seed, step=t)  # PROTO
+        state = step.apply(state, summed, noise)
+    return state.params
