@@ -5,8 +5,9 @@ same script; ``dpfunc.distributed.init()`` joins them into one process group
 (gloo on CPU, NCCL on GPU), and the Trainer then detects it: each Poisson
 batch is split across the ranks, the clipped gradient sums are all-reduced,
 the Gaussian noise is added once to the global sum (every rank draws the
-same noise from the shared seed and step), and every rank applies the same
-update, so the ranks' parameters stay bit-identical. The privacy accounting
+same noise from one secret seed, which rank 0 draws and broadcasts), and
+every rank applies the same update, so the ranks' parameters stay
+bit-identical. The privacy accounting
 is that of one process training on the whole dataset: one step per logical
 batch, at the whole dataset's sample rate. Rank 0 shows the progress bar and
 prints the results.
@@ -45,7 +46,7 @@ EXPECTED_BATCH_SIZE = 128  # of the whole logical batch, over all ranks
 CLIP_NORM = 1.0  # the per-example gradient bound C
 LEARNING_RATE = 2e-2  # Adam's step size
 HIDDEN = 64  # width of the hidden layer
-SEED = 0  # fixes the split, the initial model, the Poisson samples and the noise
+SEED = 0  # fixes the split and the initial model (public); batches and noise use a secret
 TIMEOUT_S = 120.0  # a collective waiting longer than this means a rank died or hangs
 
 
@@ -87,7 +88,7 @@ def main() -> None:
         clip_norm=CLIP_NORM,
         target_epsilon=TARGET_EPSILON,
         delta=DELTA,
-        seed=SEED,
+        # seed=None: a fresh secret from rank 0, shared by all ranks
         # distributed: detected from the process group initialised above
     )
     trainer.fit()

@@ -3,7 +3,8 @@
 No test data is used. The demo's training 80% of digits (1437 images, the
 same split as the demo) is split again, stratified, into a tuning-train part
 (80%, 1149 images) and a validation part (20%, 288 images), ``REPEATS``
-times: repeat ``r`` uses split ``r`` and training seed ``r``. Every candidate
+times: repeat ``r`` uses split ``r`` and the public training seed ``r``
+(reproducible research: a private run keeps the Trainer's secret default). Every candidate
 trains on the tuning-train part with the demo's own pipeline (``digits.train``,
 i.e. ``dpfunc.Trainer``) and is scored by its validation accuracy, averaged
 over the repeats (standard error about 0.4 points at 0.93).
