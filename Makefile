@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
-	$(PY) -m pip install --quiet -e ".[test,bench,examples]"
+	$(PY) -m pip install --quiet -e ".[test,bench,examples,secure]"
 	touch $(STAMP)
 
 test: install
@@ -23,6 +23,7 @@ lint: install
 
 bench: install
 	$(PY) bench/run.py
+	$(PY) bench/noise.py
 
 demo: install
 	$(PY) examples/digits.py

@@ -55,10 +55,13 @@ from .noise import secret_seed
 from .tree import Params
 
 __all__ = [
+    "CanaryScores",
     "GradientCanary",
     "canary_scores",
     "epsilon_lower_bound",
+    "remove_known_noise",
     "threshold_ranks",
+    "train_with_step",
 ]
 
 
@@ -406,6 +409,36 @@ def train_with_step(
         summed = step.zeros(state.params)
         for batch, mask in batches.logical_batch(t)[0]:
             summed, _ = step.accumulate(summed, state.params, batch, mask)
-        noise = standard_normal_like(state.params, seed=seed, step=t)  # PROTO
+        noise = standard_normal_like(state.params, seed=seed, step=t, secure=secure_noise)
         state = step.apply(state, summed, noise)
     return state.params
+
+
+def remove_known_noise(
+    params: Params,
+    *,
+    seed: int,
+    steps: int,
+    noise_std: float,
+    expected_batch_size: float,
+    lr: float,
+    secure: bool = False,
+) -> Params:
+    """The attack a known seed allows: regenerate every step's noise and take it back out.
+
+    For parameters released after ``steps`` steps of plain SGD (learning
+    rate ``lr``, no momentum) each step subtracted ``lr * noise_std * z_t /
+    expected_batch_size`` with ``z_t = standard_normal_like(params, seed,
+    t)``; adding those back leaves the initial parameters minus the exact
+    clipped sums. With the run's real seed this removes all privacy; with
+    any other seed it adds independent noise and learns nothing. The audit
+    tests use it to show both.
+    """
+    from .noise import standard_normal_like
+
+    scale = lr * noise_std / expected_batch_size
+    restored = dict(params)
+    for t in range(steps):
+        z = standard_normal_like(params, seed=seed, step=t, secure=secure)
+        restored = {k: restored[k] + (scale * z[k]).to(restored[k].dtype) for k in restored}
+    return restored
