@@ -203,7 +203,8 @@ class Trainer:
         if checkpoint_every is not None and checkpoint_path is None:
             raise ValueError("checkpoint_every needs checkpoint_path")
         if seed is not None and not (_is_number(seed) and isinstance(seed, int) and seed >= 0):
-            shown = "a negative int" if isinstance(seed, int) else type(seed).__name__
+            is_int = isinstance(seed, int) and not isinstance(seed, bool)
+            shown = "a negative int" if is_int else type(seed).__name__
             raise ValueError(f"seed must be None (a fresh secret) or an int >= 0, got {shown}")
         if not isinstance(secure_noise, bool):
             raise ValueError(f"secure_noise must be a bool, got secure_noise={secure_noise!r}")
