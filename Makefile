@@ -24,6 +24,7 @@ lint: install
 bench: install
 	$(PY) bench/run.py
 	$(PY) bench/noise.py
+	$(PY) bench/functional.py
 
 demo: install
 	$(PY) examples/digits.py

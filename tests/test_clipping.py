@@ -108,6 +108,37 @@ def test_nonfinite_gradients_are_dropped_not_spread():
     torch.testing.assert_close(dpfunc.clipped_sum(grads, factors, keep)["w"], expected["w"])
 
 
+def test_eager_norms_are_float64_accurate_without_a_float64_copy():
+    """Float32 runs of NORM_CHUNK entries, combined in float64; a tail that is not a
+    whole run; constant rows (the worst case for accumulation) and random ones."""
+    g = torch.randn(8, 3 * dpfunc.clipping.NORM_CHUNK + 7)
+    g[0] = 0.3
+    grads = {"w": g, "v": torch.randn(8, 2, 5)}
+    reference = torch.sqrt(
+        sum(torch.linalg.vector_norm(x.double().flatten(1), dim=1) ** 2 for x in grads.values())
+    )
+    torch.testing.assert_close(dpfunc.per_sample_norms(grads), reference, rtol=1e-6, atol=0)
+
+
+def test_overflowing_or_nonfinite_runs_fall_back_to_float64():
+    g = torch.randn(4, 300)
+    g[1, 5] = 3e38  # its square overflows float32
+    g[2, 7] = math.nan
+    norms = dpfunc.per_sample_norms({"w": g, "v": torch.ones(4, 2)})
+    reference = torch.linalg.vector_norm(g.double(), dim=1).square().add(2).sqrt()
+    assert math.isfinite(norms[1]) and math.isnan(norms[2])
+    torch.testing.assert_close(norms[[0, 1, 3]], reference[[0, 1, 3]], rtol=1e-7, atol=0)
+
+
+def test_clipped_sum_is_one_contraction_unless_a_dropped_row_is_nonfinite():
+    g = torch.randn(6, 4, 3)
+    w = torch.tensor([0.5, 0.0, 1.0, 0.25, 0.0, 1.0])
+    expected = (g * w.view(-1, 1, 1)).sum(0)
+    torch.testing.assert_close(dpfunc.clipped_sum({"w": g}, w)["w"], expected)
+    g[1, 0, 0], g[4, 2, 1] = math.nan, -math.inf  # rows of weight 0
+    torch.testing.assert_close(dpfunc.clipped_sum({"w": g}, w)["w"], expected)
+
+
 def test_empty_batch_sums_to_zero():
     grads = {"w": torch.zeros(0, 3)}
     factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads), 1.0)
