@@ -25,6 +25,7 @@ bench: install
 	$(PY) bench/run.py
 	$(PY) bench/noise.py
 	$(PY) bench/functional.py
+	$(PY) bench/trainer.py
 
 demo: install
 	$(PY) examples/digits.py

@@ -33,6 +33,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import optree
@@ -280,6 +281,7 @@ class Trainer:
         self.accountant = Accountant(method=accounting)
         self.history: list[dict[str, float]] = []
         self._budget_steps: int | None = None  # see _last_step_within_budget
+        self._noise_ahead: tuple[tuple[int, int, bool], Future] | None = None  # see _noise
 
     @property
     def params(self) -> Params:
@@ -323,14 +325,30 @@ class Trainer:
         if self.distributed:  # this rank's share -> the whole logical batch
             summed = self.step_fn.all_reduce(summed, step=t)
             stats = self.step_fn.gather_stats(stats, step=t)
-        # the same noise on every rank (same seed and step), added once to the global sum
-        noise = standard_normal_like(
-            self.state.params, seed=self.seed, step=t, secure=self.secure_noise
-        )
+        noise = self._noise(t)  # the same on every rank, added once to the global sum
         # accounted before the release: an interruption can only over-count
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         self.state = self._apply(self.state, summed, noise)
         return {k: float(v) for k, v in summarize(stats).items()}
+
+    def _noise(self, t: int) -> Params:
+        """Step ``t``'s standard-normal tree; step ``t + 1``'s starts drawing meanwhile.
+
+        The draw depends only on ``(seed, step)`` and the parameters' shapes,
+        never on the data, so drawing it ahead on a worker thread, while
+        this step computes, changes no bit of the result.
+        """
+        key = (self.seed, t, self.secure_noise)
+        ahead, self._noise_ahead = self._noise_ahead, None
+        if ahead is not None and ahead[0] == key:
+            noise = ahead[1].result()
+        else:
+            noise = _draw_noise(self.state.params, *key)
+        if t + 1 < self._last_step_within_budget():
+            following = (self.seed, t + 1, self.secure_noise)
+            future = _NOISE_WORKER.submit(_draw_noise, self.state.params, *following)
+            self._noise_ahead = (following, future)
+        return noise
 
     def fit(self, max_steps: int | None = None) -> list[dict[str, float]]:
         """Trains until the planned steps are done or the budget would be exceeded.
@@ -613,6 +631,13 @@ class Trainer:
                 f"steps but {accountant.steps} accounted steps"
             )
         return state, accountant, list(checkpoint["history"]), seed
+
+
+_NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfunc-noise")
+
+
+def _draw_noise(template: Params, seed: int, step: int, secure: bool) -> Params:
+    return standard_normal_like(template, seed=seed, step=step, secure=secure)
 
 
 def _is_number(value: Any) -> bool:

@@ -140,6 +140,7 @@ def test_resume_is_bit_identical(tmp_path):
 
     resumed = make(epochs=3)  # draws its own secret, then takes the checkpoint's
     assert resumed.seed != whole.seed
+    resumed.fit(max_steps=2)  # its noise for step 2 is drawn ahead, with its own seed
     resumed.load(tmp_path / "run.pt")
     assert resumed.seed == whole.seed and resumed.batches.seed == whole.seed
     assert resumed.steps_done == 7
@@ -160,6 +161,28 @@ def test_default_seed_is_a_fresh_secret_and_a_given_one_reproduces():
     for trainer in same:
         trainer.fit(max_steps=2)
     assert all(torch.equal(same[0].params[k], same[1].params[k]) for k in one.params)
+
+
+def test_noise_drawn_ahead_changes_no_bit():
+    """The trainer draws step t+1's noise while step t runs; a plain loop draws it in turn."""
+    trainer = make(epochs=1)
+    trainer.fit()
+    loss_fn, params, dataset = problem()
+    step = dpfunc.make_train_step(
+        loss_fn,
+        dpfunc.optim.sgd(lr=0.5, momentum=0.5),
+        clip_norm=1.0,
+        noise_multiplier=0.8,
+        expected_batch_size=20,
+    )
+    state = step.init(params)
+    batches = dpfunc.data.PoissonBatches(dataset, 20 / 120, 16, seed=trainer.seed)
+    for t in range(trainer.steps_done):
+        summed = step.zeros(state.params)
+        for batch, mask in batches.logical_batch(t)[0]:
+            summed, _ = step.accumulate(summed, state.params, batch, mask)
+        state = step.apply(state, summed, dpfunc.standard_normal_like(params, trainer.seed, t))
+    assert all(torch.equal(state.params[k], trainer.params[k]) for k in params)
 
 
 def test_a_checkpoint_of_another_seed_is_refused_without_printing_either(tmp_path):
