@@ -14,8 +14,9 @@ its step count alone.
 The seed is a secret. Whoever knows it can regenerate every noise draw and
 subtract it from the released update, which leaves the exact clipped sum:
 no privacy at all, whatever epsilon is printed. :func:`secret_seed` draws one
-from the operating system's CSPRNG; a small fixed seed (``seed=0``) is for
-reproducible research only and must never key a run whose privacy matters.
+from the operating system's CSPRNG. A fixed seed makes a run reproducible
+(research on public data, tests) and must never key a run whose privacy
+matters.
 
 Two draws, both deterministic in ``(seed, step)``:
 
