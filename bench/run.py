@@ -71,6 +71,7 @@ TARGETS = {
     "cnn": {"x_nonprivate": 1.6, "x_opacus_ghost": 1.0},
     "transformer": {"x_nonprivate": 2.5},
     "lstm": {},
+    "digits_cnn": {},
 }
 MEMORY_TARGET = 2.0  # peak memory of the default step over the non-private step, every workload
 ANALYSIS = Path(__file__).with_name("analysis.md")  # notes by hand: profiles behind the numbers
@@ -134,7 +135,23 @@ def lstm():
     return LSTMClassifier(), torch.randint(1000, (64, 32)), torch.randint(10, (64,))
 
 
-WORKLOADS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "lstm": lstm}
+def digits_cnn():
+    """A GroupNorm CNN the size of the digits demo's data: 8x8 images, expected batch 128."""
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(4, 32), nn.ReLU(),
+        nn.AvgPool2d(2), nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
+    )  # fmt: skip
+    return model, torch.randn(128, 1, 8, 8), torch.randint(10, (128,))
+
+
+WORKLOADS = {
+    "mlp": mlp,
+    "cnn": cnn,
+    "transformer": transformer,
+    "lstm": lstm,
+    "digits_cnn": digits_cnn,
+}
 
 
 # --- methods: name -> builder(model, x, y) -> (step, params) ----------------------

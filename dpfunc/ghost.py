@@ -53,6 +53,7 @@ falls back to per-example gradients from ``vmap``; the step says so once.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -66,7 +67,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 
 from . import recurrent
-from .clipping import clip_factors, groups_by_module
+from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms
+from .per_sample import per_sample_grads_and_losses
 from .tree import Params, PyTree
 
 __all__ = [
@@ -594,6 +596,7 @@ def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
     # shapes are symbolic and cannot be passed in as constants. A plan baked into
     # a graph that is later reused for other per-example shapes is caught by the
     # shape check in ``_Run.after_forward``.
+    timed = clipper.method == "auto" and not torch.compiler.is_compiling()
     if isinstance(skeleton, tuple) and skeleton[0] == "unsupported":
         key = skeleton
     else:
@@ -602,6 +605,7 @@ def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
             tuple((k, tuple(v.shape), v.dtype) for k, v in zip(names, params)),
             skeleton,
             tuple((tuple(x.shape[1:]), x.dtype) for x in leaves),
+            timed,
         )
     plan = clipper.plans.get(key)
     if plan is not None:
@@ -621,6 +625,9 @@ def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
             )
         except Exception as error:  # the loss could not run under the analysis
             plan = GhostPlan((), (f"the analysis pass failed: {type(error).__name__}: {error}",))
+        if timed and plan.modules:
+            params = dict(zip(names, params))
+            plan = _faster_of(clipper, plan, params, _rebuild(skeleton, iter(leaves)))
     clipper.plans[key] = plan
     if plan.reasons and not clipper.warned:
         clipper.warned = True
@@ -636,6 +643,45 @@ def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
             stacklevel=4,
         )
     return plan
+
+
+def _faster_of(clipper: GhostClipper, plan: GhostPlan, params: Params, batch) -> GhostPlan:
+    """``method="auto"`` eagerly: ``plan``, or plain vmap if that measured faster.
+
+    The cost model of :func:`ghost_is_cheaper` counts arithmetic; on small
+    models the ghost pass's fixed costs (hooks, a second backward) can
+    dominate. So the first eager step of each batch shape times both ways
+    to the clipped sum once, after one warm-up call each, on the real
+    batch, and keeps the faster (vmap on a tie). Compiled steps keep the
+    cost model: their times differ from eager ones. The global RNG state is
+    restored, so the timing leaves dropout draws as they were.
+    """
+    size = _torch_tree_leaves(batch)[0].shape[0]
+    device = next(iter(params.values())).device
+    mask = torch.ones(size, dtype=torch.bool, device=device)
+
+    def ghost() -> None:
+        ghost_clip(clipper.loss_fn, clipper.hooks, plan, params, batch, mask,
+                   clipping="flat", clip_norm=1.0)  # fmt: skip
+
+    def plain() -> None:
+        grads, _ = per_sample_grads_and_losses(clipper.loss_fn, params, batch)
+        clipped_sum(grads, clip_factors(per_sample_norms(grads), 1.0), mask)
+
+    def seconds(run) -> float:
+        run()  # warm-up: first-call costs are not what a step pays
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - started
+
+    devices = [device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        ghost_s, vmap_s = seconds(ghost), seconds(plain)
+    return plan if ghost_s < vmap_s else GhostPlan((), ())
 
 
 # --- the ghost pass -------------------------------------------------------------------

@@ -302,7 +302,9 @@ def make_train_step(
             ``T = 1`` or ``T^2 < d_in * d_out``, an Embedding with ``T^2 <
             16 num_embeddings``, and recurrent and normalisation layers; vmap
             for the rest, and plain vmap when that leaves nothing to ghost;
-            without ``model``, vmap). Ghost covers ``Linear``, ``Embedding``,
+            eagerly, the first call for each batch shape also times that plan
+            against plain vmap once and keeps the faster; without ``model``,
+            vmap). Ghost covers ``Linear``, ``Embedding``,
             ``Conv1d``/``Conv2d``, ``LayerNorm``, ``GroupNorm`` and ``RNN`` /
             ``GRU`` / ``LSTM`` (unrolled, without ``proj_size``); every other
             parameter, and any covered module it cannot vouch for (called

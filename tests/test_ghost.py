@@ -13,6 +13,7 @@ from torch.func import functional_call, jacrev
 import dpfunc
 from dpfunc.ghost import (
     GhostClipper,
+    analyse,
     covered_kind,
     linear_weight_norms,
     remove_hooks,
@@ -533,7 +534,9 @@ def test_auto_ghosts_only_where_it_is_cheaper():
     model = Mixed().double()
     params, loss_fn = problem(model, classify)
     batch = (torch.randn(B, 2, 8, 8, dtype=torch.float64), torch.randint(0, 3, (B,)))
-    auto = GhostClipper(model, loss_fn, "auto").plan(params, batch)
+    clipper = GhostClipper(model, loss_fn, "auto")
+    example = tuple(t[0] for t in batch)
+    auto = analyse(model, clipper.hooks, loss_fn, params, example, "auto")  # the cost model
     assert [m.path for m in auto.modules] == ["seq", "head"] and not auto.reasons
     ghost = GhostClipper(model, loss_fn, "ghost").plan(params, batch)
     assert [m.path for m in ghost.modules] == ["conv", "seq", "head"]
@@ -553,6 +556,24 @@ def test_auto_ghosts_only_where_it_is_cheaper():
     params, loss_fn = problem(conv_only)
     x = torch.randn(B, 2, 8, 8, dtype=torch.float64)
     assert not GhostClipper(conv_only, loss_fn, "auto").plan(params, x).modules
+
+
+@pytest.mark.parametrize("ghost_s, vmap_s, ghosted", [(1.0, 2.0, ["0"]), (2.0, 1.0, [])])
+def test_auto_keeps_the_path_measured_faster_at_plan_time(monkeypatch, ghost_s, vmap_s, ghosted):
+    """Eagerly, method="auto" times the ghost pass and plain vmap once and keeps the faster."""
+    model = nn.Sequential(nn.Linear(3, 4)).double()
+    params, loss_fn = problem(model)
+    ticks = iter([0.0, ghost_s, 10.0, 10.0 + vmap_s])  # start and end of each timed call
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return next(ticks)
+
+    monkeypatch.setattr(dpfunc.ghost, "time", Clock)
+    plan = GhostClipper(model, loss_fn, "auto").plan(params, torch.randn(B, 3).double())
+    assert [m.path for m in plan.modules] == ghosted and not plan.reasons
+    remove_hooks(model)
 
 
 def test_tf32_products_make_their_modules_fall_back():
