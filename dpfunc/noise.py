@@ -23,11 +23,15 @@ Two draws, both deterministic in ``(seed, step)``:
 * the default: torch's generator (Mersenne Twister on the CPU, Philox on
   CUDA) seeded with 64 bits of ``SHA-256(seed, step)``, in each leaf's dtype.
   Fast and statistically sound, but not a cryptographic generator, and its
-  float samples are exposed to the floating-point attack below.
+  float samples are exposed to the floating-point attack below. On the CPU
+  the Mersenne Twister keeps only the low 32 bits of its seed, so each
+  step's noise is one of ``2**32`` trees, few enough for someone who sees
+  an update to try them all and subtract the right one.
 * ``secure=True``: a ChaCha20 keystream (Bernstein 2008, through the
-  ``cryptography`` package) keyed by ``SHA-256(seed, step)``; 52 bits of the
-  keystream per uniform in (0, 1], and Box-Muller in float64. The fixed
-  all-zero nonce is safe because every step has its own key.
+  ``cryptography`` package) keyed by ``SHA-256(seed, step)``; one 64-bit
+  keystream word per uniform, on the grid ``(k + 1/2) * 2**-52`` of the open
+  interval (0, 1), and Box-Muller in float64. The fixed all-zero nonce is
+  safe because every step has its own key, so no (key, nonce) pair repeats.
 
 **The floating-point attack** (Mironov 2012, for Laplace noise; Holohan and
 Braghin 2021, "Secure Random Sampling in Differential Privacy", for the
@@ -44,9 +48,18 @@ continuous Gaussian mechanism, and its low bits carry nothing about the
 clipped sum. For float64 parameters no finer type exists; each value is then
 the sum of four independent Box-Muller normals divided by two, Holohan and
 Braghin's summation (also what Opacus' former secure mode did), which makes
-the output set far denser but does not provably close the leak. Out of scope:
-exact (discrete) sampling, and the floating-point arithmetic of everything
-before the noise.
+the output set far denser but does not provably close the leak.
+
+Limits of the argument. The uniforms are fixed point (spacing ``2**-52``),
+so the radius ``r = sqrt(-2 ln u1)`` is finely spaced in the bulk but coarse
+in the far tail, where ``u1`` is tiny: for float32 outputs the margin is
+about ``2**29 * u1 * r**2``, some ``2**8`` at ``r = 6`` (probability
+``e**-18 ~ 1.5e-8``) and about 1 at ``r = 7`` (probability ``2e-11``).
+The smallest uniform is ``2**-53``, so one Box-Muller normal never exceeds
+``sqrt(106 ln 2) ~ 8.57`` (the four-term sum: twice that); the Gaussian
+mass cut off, about ``1e-17`` per coordinate, is not in the accountant's
+delta. Out of scope: exact (discrete) sampling (Canonne, Kamath and Steinke
+2020), and the floating-point arithmetic of everything before the noise.
 """
 
 from __future__ import annotations
@@ -83,31 +96,53 @@ def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool =
     """Independent ``N(0, 1)`` draws shaped like ``params``, fixed by ``(seed, step)``.
 
     Leaves are drawn in optree's leaf order (dict keys sorted), each on its
-    leaf's device. The same ``(seed, step, secure)`` always gives the same
-    tree; distinct ``(seed, step)`` pairs give independent streams (the key
-    is a SHA-256 hash of both). ``seed`` is the run's secret
-    (:func:`secret_seed`).
+    leaf's device, so the tree does not depend on dict insertion order. The
+    same ``(seed, step, secure)`` always gives the same tree; distinct
+    ``(seed, step)`` pairs give independent streams (the key is a SHA-256
+    hash of both, domain-separated from the Poisson sample's). ``seed`` is
+    the run's secret (:func:`secret_seed`); any size of int is hashed whole.
 
     Args:
         params: the tree to match (shapes, devices; dtypes unless ``secure``).
         seed: a non-negative int, the secret.
         step: a non-negative int, the step count.
         secure: draw from ChaCha20 with the floating-point defences of the
-            module docstring. The leaves are then float64 whatever the
-            parameters' dtype (so that :func:`add_noise` rounds the noisy
-            sum once), and float64 parameters get the four-term sum. Needs
-            the ``cryptography`` package (``pip install "dpfunc[secure]"``).
-            About 1.4x the time of ``torch.randn`` on a CPU for float32
-            leaves, 6x for float64 ones (``bench/noise.py``).
+            module docstring. The stream: key
+            ``SHA-256("dpfunc.secure-noise:{seed}:{step}")``, nonce 16 zero
+            bytes, the keystream read as little-endian 64-bit words and used
+            leaf after leaf in leaf order. A leaf of ``n`` values takes
+            ``n + n % 2`` words (``4 n`` for a float64 leaf): the first half
+            are the ``u1`` and the second half the ``u2`` of Box-Muller,
+            which gives the sine normals then the cosine normals, and an
+            odd ``n`` drops the last one. The leaves are float64 whatever
+            the parameters' dtype, so that :func:`add_noise` forms the noisy
+            sum at double precision and rounds it once; float64 parameters
+            get the four-term sum ``(z1 + z2 + z3 + z4) / 2`` (rows of the
+            ``4 n`` normals). Needs the ``cryptography`` package
+            (``pip install "dpfunc[secure]"``). About 1.2x the time of
+            ``torch.randn`` on a CPU for float32 leaves, 5x for float64
+            ones (``bench/noise.py``); CUDA leaves are drawn on the CPU and
+            copied over.
+
+    Returns:
+        A tree like ``params``: leaves in their own dtype by default,
+        float64 with ``secure=True``; an empty tree gives an empty tree.
 
     Raises:
         ValueError: ``seed`` or ``step`` is not a non-negative int, or
             ``secure`` is not a bool.
         ImportError: ``secure=True`` without ``cryptography``.
 
-    >>> z = standard_normal_like({"w": torch.zeros(3)}, seed=secret_seed(), step=0, secure=True)
-    >>> z["w"].dtype, z["w"].shape
-    (torch.float64, torch.Size([3]))
+    >>> params = {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(3)}
+    >>> z = standard_normal_like(params, seed=secret_seed(), step=0, secure=True)
+    >>> {k: (v.dtype, tuple(v.shape)) for k, v in z.items()}
+    {'w': (torch.float64, (2, 3)), 'b': (torch.float64, (3,))}
+    >>> secret = secret_seed()
+    >>> a = standard_normal_like(params, secret, step=5, secure=True)
+    >>> torch.equal(a["w"], standard_normal_like(params, secret, step=5, secure=True)["w"])
+    True
+    >>> torch.equal(a["w"], standard_normal_like(params, secret, step=6, secure=True)["w"])
+    False
     """
     for name, value in (("seed", seed), ("step", step)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -141,7 +176,7 @@ def _secure_normal_like(params: PyTree, seed: int, step: int) -> PyTree:
         out = words.numpy().view(np.uint8)
         for start in range(0, out.size, _CHUNK):  # zeros XOR keystream = keystream
             piece = out[start : start + _CHUNK]
-            keystream.update_into(_ZEROS[: piece.size], piece)
+            keystream.update_into(_ZEROS[: piece.size], piece)  # no zeroing pass over out
         z = _box_muller_(words)[:count]
         if terms > 1:
             z = z.view(terms, -1).sum(0).mul_(1 / math.sqrt(terms))
@@ -151,27 +186,42 @@ def _secure_normal_like(params: PyTree, seed: int, step: int) -> PyTree:
 
 
 _CHUNK = 1 << 20  # keystream bytes per call
-_ZEROS = bytes(_CHUNK)
+_ZEROS = memoryview(bytes(_CHUNK))  # sliced without a copy
+
+
+def _uniform_(words: Tensor) -> Tensor:
+    """Uniforms in the open interval (0, 1) from uniformly random int64 words, in place.
+
+    The low 52 bits ``k`` of each word give ``u = (k + 1/2) * 2**-52``: the
+    midpoints of a grid of ``2**52`` equal cells, symmetric about 1/2, from
+    ``2**-53`` to ``1 - 2**-53``, so never 0 (a finite logarithm) and never 1.
+    Every such ``u`` is exact in float64 (53-bit significand); with 53 bits
+    the midpoints above 1/2 would not be, and the top one would round to 1.
+    Masking the low bits needs no shift (int64 ``>>`` is arithmetic).
+    ``k`` becomes the mantissa of ``x = 1 + k * 2**-52`` in [1, 2), and
+    ``x - (1 - 2**-53)`` is exact. Returns the float64 uniforms in the
+    words' memory.
+    """
+    words.bitwise_and_((1 << 52) - 1).bitwise_or_(0x3FF0000000000000)  # exponent of 1.0
+    return words.view(torch.float64).sub_(1 - 2**-53)
 
 
 def _box_muller_(words: Tensor) -> Tensor:
     """Standard normals from an even number of uniformly random int64 words, in place.
 
-    Each word's low 52 bits become the mantissa of a float64 ``x`` in
-    ``[1, 2)``, and ``u = 2 - x`` is uniform on the grid ``k / 2**52`` of
-    ``(0, 1]`` (never 0, so the logarithm is finite). Each pair ``(u1, u2)``
-    of the two halves gives ``sqrt(-2 ln u1) * (sin, cos)(2 pi u2)`` (Box and
-    Muller 1958). Returns the float64 normals in the words' memory.
+    The words become uniforms (:func:`_uniform_`); the first half ``u1`` and
+    the second half ``u2`` pair up, and each pair gives
+    ``sqrt(-2 ln u1) * (sin, cos)(2 pi u2)`` (Box and Muller 1958): the sines
+    in the first half, the cosines in the second. Returns the float64
+    normals in the words' memory.
     """
-    words.bitwise_and_((1 << 52) - 1).bitwise_or_(0x3FF0000000000000)  # exponent of 1.0
-    u = words.view(torch.float64).neg_().add_(2.0)
-    u1, u2 = u.view(2, -1)
+    u1, u2 = _uniform_(words).view(2, -1)
     radius = u1.log_().mul_(-2.0).sqrt_()
     angle = u2.mul_(2 * math.pi)
     sine = torch.sin(angle)
     angle.cos_().mul_(radius)
     radius.mul_(sine)
-    return u
+    return words.view(torch.float64)
 
 
 def add_noise(summed: Params, noise: Params, std: float | Tensor) -> Params:

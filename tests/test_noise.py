@@ -1,6 +1,10 @@
 """The Gaussian noise: reproducible draws, the right std, the right denominator."""
 
+import hashlib
 import math
+import re
+import sys
+from fractions import Fraction
 
 import pytest
 import torch
@@ -140,20 +144,87 @@ def test_secure_draws_are_uncorrelated_within_and_across_leaves():
         assert abs(float(torch.corrcoef(torch.stack([x, y]))[0, 1])) < limit
 
 
-def test_box_muller_never_takes_the_log_of_zero():
-    extremes = torch.tensor([0, -1, 0, -1, 2**62, -(2**63)], dtype=torch.int64)
-    z = dpfunc.noise._box_muller_(extremes.clone())
-    assert torch.isfinite(z).all() and z.abs().max() < 9  # u in (0, 1]: |z| <= sqrt(-2 ln 2^-52)
+def test_uniforms_are_midpoints_of_a_2_to_52_grid_strictly_inside_0_1():
+    words = [0, -1, 1, -(2**63), 2**63 - 1, 2**52 - 1, 2**52, 0x0123456789ABCDEF, -12345]
+    u = dpfunc.noise._uniform_(torch.tensor(words, dtype=torch.int64))
+    assert u.dtype == torch.float64
+    for word, value in zip(words, u.tolist()):
+        k = (word % 2**64) % 2**52  # the low 52 bits of the unsigned word
+        assert Fraction(value) == Fraction(2 * k + 1, 2**53)
+    assert float(u.min()) == 2**-53 and float(u.max()) == 1 - 2**-53
 
 
-def test_secure_noise_is_added_at_double_precision_and_rounded_once():
-    summed = {"w": torch.randn(1000)}
+def test_extreme_keystream_words_give_finite_normals():
+    for word in (0, -1):  # all zero bits, all one bits: u = 2**-53 and 1 - 2**-53
+        z = dpfunc.noise._box_muller_(torch.full((4,), word, dtype=torch.int64))
+        assert torch.isfinite(z).all()
+        assert z.abs().max() <= math.sqrt(-2 * math.log(2**-53))
+
+
+def _chacha20_words(seed: int, step: int, count: int) -> list[int]:
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    key = hashlib.sha256(f"dpfunc.secure-noise:{seed}:{step}".encode()).digest()
+    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+    data = stream.update(bytes(8 * count))
+    return [int.from_bytes(data[8 * i : 8 * i + 8], "little") for i in range(count)]
+
+
+def _box_muller(words: list[int]) -> list[float]:
+    u = [((w % 2**52) + 0.5) / 2**52 for w in words]
+    half = len(u) // 2
+    radius = [math.sqrt(-2 * math.log(x)) for x in u[:half]]
+    angle = [2 * math.pi * x for x in u[half:]]
+    sin = [r * math.sin(a) for r, a in zip(radius, angle)]
+    return sin + [r * math.cos(a) for r, a in zip(radius, angle)]
+
+
+def test_secure_stream_is_the_documented_one():
+    """ChaCha20 keyed by SHA-256 of (seed, step), leaf after leaf in sorted-key order."""
+    params = {"b": torch.zeros(3), "a": torch.zeros(2, 2, dtype=torch.float64)}
+    z = dpfunc.standard_normal_like(params, seed=SECRET, step=11, secure=True)
+    words = _chacha20_words(SECRET, 11, 4 * 4 + 4)
+    four = _box_muller(words[:16])  # "a": 4 values, 4 terms each
+    expected_a = [sum(four[i + 4 * t] for t in range(4)) / 2 for i in range(4)]
+    expected_b = _box_muller(words[16:20])[:3]  # "b": 3 values from 2 pairs, the last dropped
+    torch.testing.assert_close(z["a"].flatten(), torch.tensor(expected_a, dtype=torch.float64))
+    torch.testing.assert_close(z["b"], torch.tensor(expected_b, dtype=torch.float64))
+
+
+def test_default_stream_is_torch_randn_keyed_by_sha256_of_seed_and_step():
+    params = {"b": torch.zeros(3), "a": torch.zeros(2, 2, dtype=torch.float64)}
+    z = dpfunc.standard_normal_like(params, seed=SECRET, step=11)
+    digest = hashlib.sha256(f"dpfunc.noise:{SECRET}:11".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    a = torch.randn(2, 2, generator=generator, dtype=torch.float64)
+    b = torch.randn(3, generator=generator)
+    assert torch.equal(z["a"], a) and torch.equal(z["b"], b)
+
+
+def test_secure_draws_take_a_256_bit_seed_whole():
+    params = {"w": torch.zeros(8)}
+    top = dpfunc.standard_normal_like(params, seed=2**256 - 1, step=0, secure=True)["w"]
+    low = dpfunc.standard_normal_like(params, seed=2**256 - 1 - 2**128, step=0, secure=True)
+    assert torch.isfinite(top).all() and not torch.equal(top, low["w"])
+
+
+def test_secure_without_cryptography_raises_import_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers", None)
+    with pytest.raises(ImportError, match=re.escape('pip install "dpfunc[secure]"')):
+        dpfunc.standard_normal_like({"w": torch.zeros(2)}, seed=0, step=0, secure=True)
+    assert dpfunc.standard_normal_like({"w": torch.zeros(2)}, seed=0, step=0)["w"].shape == (2,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_secure_noise_is_added_at_double_precision_and_rounded_once(dtype):
+    summed = {"w": torch.randn(1000).to(dtype)}
     noise = dpfunc.standard_normal_like(summed, seed=SECRET, step=0, secure=True)
     noisy = dpfunc.add_noise(summed, noise, 1.3)["w"]
-    assert noisy.dtype == torch.float32
-    torch.testing.assert_close(
-        noisy, (summed["w"].double() + 1.3 * noise["w"]).float(), rtol=0, atol=0
-    )
+    assert noisy.dtype == dtype
+    expected = (summed["w"].double() + 1.3 * noise["w"]).to(dtype)
+    torch.testing.assert_close(noisy, expected, rtol=0, atol=0)
+    twice = (summed["w"] + (1.3 * noise["w"]).to(dtype)).to(dtype)  # rounding noise, then sum
+    assert not torch.equal(noisy, twice)
 
 
 def test_a_step_with_secure_noise_keeps_float32_parameters():
@@ -172,3 +243,21 @@ def test_a_step_with_secure_noise_keeps_float32_parameters():
         state.params["w"].dtype == torch.float32
         and state.opt_state.exp_avg_sq["w"].dtype == torch.float32
     )
+
+
+def test_a_secure_step_releases_the_noisy_sum_rounded_once_then_averaged():
+    """Zero gradients, SGD with lr=1: the update is the float32 rounding of std * z, averaged."""
+    sigma, clip_norm, expected = 1.3, 0.7, 3.0
+    params = {"w": torch.zeros(1000)}
+    step = dpfunc.make_train_step(
+        lambda p, x: (p["w"] * 0).sum() + x.sum() * 0,
+        dpfunc.optim.sgd(lr=1.0),
+        clip_norm=clip_norm,
+        noise_multiplier=sigma,
+        expected_batch_size=expected,
+    )
+    noise = dpfunc.standard_normal_like(params, seed=SECRET, step=0, secure=True)
+    state, _ = step(step.init(params), torch.ones(4, 1), torch.ones(4), noise)
+    released = (sigma * clip_norm * noise["w"]).float() / expected
+    assert state.params["w"].dtype == torch.float32
+    torch.testing.assert_close(-state.params["w"], released, rtol=0, atol=0)
