@@ -79,6 +79,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Dynamo refuses to trace nn.RNN / GRU / LSTM unless told to; dpfunc's ghost path runs them
 # unrolled, which traces. Set for every method, so the compiled ones are compared alike.
 torch._dynamo.config.allow_rnn = True
+# Every workload compiles the same TrainStep.__call__ anew; torch's default of 8 recompiles per
+# code object would fail the later workloads' compiled steps in this one process.
+torch._dynamo.config.recompile_limit = 64
 
 warnings.filterwarnings("ignore", category=UserWarning)  # Opacus and vmap are chatty
 warnings.filterwarnings("ignore", category=FutureWarning)

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset, default_collate
 
-from .noise import secret_seed
+from .noise import keyed_generator, secret_seed
 
 PyTree = Any
 MicroBatch = tuple[PyTree, Tensor]  # (batch with leading dim physical_batch_size, mask)
@@ -65,11 +65,12 @@ __all__ = [
 def poisson_sample(num_examples: int, sample_rate: float, *, seed: int, step: int) -> Tensor:
     """The logical batch of step ``step``: each example kept independently w.p. ``sample_rate``.
 
-    The draw comes from a CPU ``torch.Generator`` whose seed is a 64-bit
-    SHA-256 hash of ``(seed, step)``, so the result depends only on that
-    pair: not on the global RNG (which it neither reads nor advances), on
-    the order of calls, or on the rank. Distinct pairs give independent
-    samples.
+    The draw comes from a CPU ``torch.Generator`` whose whole Mersenne
+    Twister state is keyed by ``(seed, step)`` (:func:`dpfunc.noise.keyed_generator`:
+    19,968 bits of SHAKE-256, not the 32 bits ``manual_seed`` would keep),
+    so the result depends only on that pair: not on the global RNG (which
+    it neither reads nor advances), on the order of calls, or on the rank.
+    Distinct pairs give independent samples.
 
     Args:
         num_examples: the dataset size ``N``, an int >= 1.
@@ -98,9 +99,7 @@ def poisson_sample(num_examples: int, sample_rate: float, *, seed: int, step: in
     _check_sample_rate(sample_rate)
     _check_int("seed", seed, minimum=0)
     _check_int("step", step, minimum=0)
-    digest = hashlib.sha256(f"dpfunc.poisson:{seed}:{step}".encode()).digest()
-    generator = torch.Generator(device="cpu")
-    generator.manual_seed(int.from_bytes(digest[:8], "little"))
+    generator = keyed_generator("dpfunc.poisson", seed, step, torch.device("cpu"))
     keep = torch.rand(num_examples, generator=generator, dtype=torch.float64) < sample_rate
     return torch.nonzero(keep).flatten().to(torch.int64)
 

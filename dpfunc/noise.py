@@ -20,13 +20,14 @@ matters.
 
 Two draws, both deterministic in ``(seed, step)``:
 
-* the default: torch's generator (Mersenne Twister on the CPU, Philox on
-  CUDA) seeded with 64 bits of ``SHA-256(seed, step)``, in each leaf's dtype.
+* the default: torch's generator from :func:`keyed_generator`, in each
+  leaf's dtype. On the CPU its whole Mersenne Twister state (19,968 bits)
+  comes from ``SHAKE-256(seed, step)``; ``manual_seed`` would keep only 32
+  bits of any seed, so each step's noise would be one of ``2**32`` trees,
+  few enough for someone who sees an update to try them all and subtract
+  the right one. On CUDA, Philox takes a 64-bit key from the same hash.
   Fast and statistically sound, but not a cryptographic generator, and its
-  float samples are exposed to the floating-point attack below. On the CPU
-  the Mersenne Twister keeps only the low 32 bits of its seed, so each
-  step's noise is one of ``2**32`` trees, few enough for someone who sees
-  an update to try them all and subtract the right one.
+  float samples are exposed to the floating-point attack below.
 * ``secure=True``: a ChaCha20 keystream (Bernstein 2008, through the
   ``cryptography`` package) keyed by ``SHA-256(seed, step)``; one 64-bit
   keystream word per uniform, on the grid ``(k + 1/2) * 2**-52`` of the open
@@ -151,12 +152,63 @@ def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool =
         raise ValueError(f"secure must be a bool, got secure={secure!r}")
     if secure:
         return _secure_normal_like(params, seed, step)
-    digest = hashlib.sha256(f"dpfunc.noise:{seed}:{step}".encode()).digest()
     leaves = tree_leaves(params)
     device = leaves[0].device if leaves else torch.device("cpu")
+    return tree_normal_like(params, keyed_generator("dpfunc.noise", seed, step, device))
+
+
+_MT_WORDS = 624  # 32-bit words of the Mersenne Twister state
+_MT_OFFSET = 24  # bytes before the state words in torch's CPU generator state
+
+
+def keyed_generator(domain: str, seed: int, step: int, device: torch.device) -> torch.Generator:
+    """A torch generator on ``device`` whose whole state comes from ``(domain, seed, step)``.
+
+    ``torch.Generator.manual_seed`` keeps only the low 32 bits of its
+    argument on the CPU (the Mersenne Twister's seeding), so a secret seed
+    passed through it would leave ``2**32`` possible streams per step. Here
+    the CPU generator's 624 state words (19,968 bits) are the first bytes of
+    ``SHAKE-256("{domain}:{seed}:{step}")``, set with ``set_state``; a CUDA
+    (Philox) generator takes 64 bits of the same hash as its seed. Distinct
+    domains (noise, Poisson sample) give independent streams.
+
+    Raises:
+        RuntimeError: this torch's CPU generator state has a layout dpfunc
+            does not know (checked once), so the state cannot be keyed;
+            ``secure=True`` still works.
+    """
+    material = hashlib.shake_256(f"{domain}:{seed}:{step}".encode()).digest(4 * _MT_WORDS)
     generator = torch.Generator(device=device)
-    generator.manual_seed(int.from_bytes(digest[:8], "little"))
-    return tree_normal_like(params, generator)
+    if torch.device(device).type != "cpu":
+        generator.manual_seed(int.from_bytes(material[:8], "little"))
+        return generator
+    state = _cpu_state_template().clone()
+    words = np.frombuffer(material, dtype="<u4").astype("<u8")
+    view = state.numpy()
+    view[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS] = words.view(np.uint8)
+    generator.set_state(state)
+    return generator
+
+
+_TEMPLATE: list[Tensor] = []
+
+
+def _cpu_state_template() -> Tensor:
+    """A freshly seeded CPU state, after checking the layout keyed_generator writes into."""
+    if not _TEMPLATE:
+        probe = torch.Generator().manual_seed(0x5EED1234)
+        state = probe.get_state()
+        raw = bytes(state.numpy())
+        header = np.frombuffer(raw[:_MT_OFFSET], dtype="<u8")
+        words = np.frombuffer(raw[_MT_OFFSET : _MT_OFFSET + 8 * _MT_WORDS], dtype="<u8")
+        if not (header[0] == 0x5EED1234 and words[0] == 0x5EED1234 and words.max() < 2**32):
+            raise RuntimeError(
+                f"torch {torch.__version__} stores its CPU generator state in a layout dpfunc "
+                "does not know, so the default noise cannot be keyed with the whole secret; "
+                "use standard_normal_like(..., secure=True) (Trainer(secure_noise=True))"
+            )
+        _TEMPLATE.append(state)
+    return _TEMPLATE[0]
 
 
 def _secure_normal_like(params: PyTree, seed: int, step: int) -> PyTree:

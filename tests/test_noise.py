@@ -3,6 +3,7 @@
 import hashlib
 import math
 import re
+import struct
 import sys
 from fractions import Fraction
 
@@ -191,14 +192,32 @@ def test_secure_stream_is_the_documented_one():
     torch.testing.assert_close(z["b"], torch.tensor(expected_b, dtype=torch.float64))
 
 
-def test_default_stream_is_torch_randn_keyed_by_sha256_of_seed_and_step():
+def test_default_stream_is_torch_randn_from_a_state_keyed_by_shake256():
+    """The CPU generator's 624 Mersenne Twister words are SHAKE-256 of (seed, step)."""
     params = {"b": torch.zeros(3), "a": torch.zeros(2, 2, dtype=torch.float64)}
     z = dpfunc.standard_normal_like(params, seed=SECRET, step=11)
-    digest = hashlib.sha256(f"dpfunc.noise:{SECRET}:11".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    material = hashlib.shake_256(f"dpfunc.noise:{SECRET}:11".encode()).digest(4 * 624)
+    state = torch.Generator().manual_seed(1).get_state()
+    words = struct.unpack("<624I", material)
+    state[24 : 24 + 8 * 624] = torch.frombuffer(
+        bytearray(struct.pack("<624Q", *words)), dtype=torch.uint8
+    )
+    generator = torch.Generator()
+    generator.set_state(state)
     a = torch.randn(2, 2, generator=generator, dtype=torch.float64)
     b = torch.randn(3, generator=generator)
     assert torch.equal(z["a"], a) and torch.equal(z["b"], b)
+
+
+def test_default_draws_use_every_bit_of_the_seed():
+    """manual_seed keeps 32 bits on the CPU: seeds 2**32 apart would share their noise,
+    and every step's noise would be one of 2**32 trees an attacker can try."""
+    params = {"w": torch.zeros(16)}
+    base = dpfunc.standard_normal_like(params, seed=SECRET, step=3)["w"]
+    for other in (SECRET + 2**32, SECRET ^ (1 << 200)):
+        assert not torch.equal(base, dpfunc.standard_normal_like(params, other, step=3)["w"])
+    sample = dpfunc.data.poisson_sample(64, 0.5, seed=7, step=0)
+    assert not torch.equal(sample, dpfunc.data.poisson_sample(64, 0.5, seed=7 + 2**32, step=0))
 
 
 def test_secure_draws_take_a_256_bit_seed_whole():
