@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset, default_collate
 
-from .noise import keyed_generator, secret_seed
+from .noise import check_seed, keyed_generator, secret_seed
 
 PyTree = Any
 MicroBatch = tuple[PyTree, Tensor]  # (batch with leading dim physical_batch_size, mask)
@@ -97,7 +97,7 @@ def poisson_sample(num_examples: int, sample_rate: float, *, seed: int, step: in
     """
     _check_int("num_examples", num_examples, minimum=1)
     _check_sample_rate(sample_rate)
-    _check_int("seed", seed, minimum=0)
+    check_seed(seed)
     _check_int("step", step, minimum=0)
     generator = keyed_generator("dpfunc.poisson", seed, step, torch.device("cpu"))
     keep = torch.rand(num_examples, generator=generator, dtype=torch.float64) < sample_rate
@@ -368,7 +368,7 @@ class PoissonBatches:
                     "e.g. seed=dpfunc.distributed.shared_secret_seed()"
                 )
             seed = secret_seed()
-        _check_int("seed", seed, minimum=0)
+        check_seed(seed)
         self.dataset = dataset
         self.num_examples = num_examples
         self.sample_rate = sample_rate

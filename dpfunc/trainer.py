@@ -45,7 +45,7 @@ from . import distributed as _distributed
 from . import optim
 from .accounting import Accountant, calibrate_noise_multiplier
 from .data import PoissonBatches, dataset_fingerprint, dataset_size
-from .noise import secret_seed, standard_normal_like
+from .noise import check_seed, secret_seed, standard_normal_like
 from .per_sample import LossFn
 from .step import ExampleStats, TrainState, make_train_step, summarize
 from .tree import Params
@@ -88,7 +88,8 @@ class Trainer:
             reproducible, and **whoever knows it can remove the noise**: give
             one for research on public data or debugging only, never a small
             or published number on private data. A Trainer built with
-            ``seed=None`` adopts the seed of a checkpoint it loads.
+            ``seed=None`` adopts the seed of a checkpoint it loads if that
+            seed was itself a drawn secret, and refuses a fixed one.
         secure_noise: draw the noise from a cryptographically secure
             generator with the floating-point defences of
             ``standard_normal_like(..., secure=True)`` (needs the ``secure``
@@ -203,10 +204,8 @@ class Trainer:
             )
         if checkpoint_every is not None and checkpoint_path is None:
             raise ValueError("checkpoint_every needs checkpoint_path")
-        if seed is not None and not (_is_number(seed) and isinstance(seed, int) and seed >= 0):
-            is_int = isinstance(seed, int) and not isinstance(seed, bool)
-            shown = "a negative int" if is_int else type(seed).__name__
-            raise ValueError(f"seed must be None (a fresh secret) or an int >= 0, got {shown}")
+        if seed is not None:
+            check_seed(seed)
         if not isinstance(secure_noise, bool):
             raise ValueError(f"secure_noise must be a bool, got secure_noise={secure_noise!r}")
 
@@ -220,7 +219,10 @@ class Trainer:
                 target_epsilon, delta, self.sample_rate, self.total_steps, method=accounting
             )
         self.noise_multiplier = float(noise_multiplier)
-        self._seed_drawn = seed is None  # a drawn secret gives way to a loaded checkpoint's
+        self._adopts_seed = seed is None  # may take a loaded checkpoint's secret seed
+        self._seed_secret = (
+            seed is None
+        )  # the seed came from the OS CSPRNG, here or in a checkpoint
         if seed is None:
             seed = _distributed.shared_secret_seed() if self.distributed else secret_seed()
         self.seed = seed
@@ -510,6 +512,7 @@ class Trainer:
             "state": optree.tree_leaves(self.state),
             "accountant": self.accountant.state_dict(),
             "history": self.history,
+            "seed_secret": self._seed_secret,
         }
         directory = os.path.dirname(os.path.abspath(path))
         handle, tmp = tempfile.mkstemp(dir=directory, prefix=".dpfunc-", suffix=".tmp")
@@ -568,8 +571,9 @@ class Trainer:
         self._restore(loaded)
 
     def _restore(self, loaded: tuple[TrainState, Accountant, list, int]) -> None:
-        self.state, self.accountant, self.history, self.seed = loaded
-        self.batches.seed = self.seed
+        self.state, self.accountant, self.history, seed = loaded
+        if seed != self.seed:  # adopted (see _validate): a secret drawn by the saved run
+            self.seed, self.batches.seed, self._seed_secret = seed, seed, True
         self._budget_steps = None
 
     def _read(self, path: str | os.PathLike) -> tuple[TrainState, Accountant, list, int]:
@@ -592,18 +596,36 @@ class Trainer:
             ) from error
 
     def _validate(self, path, checkpoint: Any) -> tuple[TrainState, Accountant, list, int]:
-        if not isinstance(checkpoint, dict) or checkpoint.get("version") != CHECKPOINT_VERSION:
+        version = checkpoint.get("version") if isinstance(checkpoint, dict) else None
+        if version == 1:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} was written by an earlier dpfunc (checkpoint "
+                "version 1), whose Trainer keyed its noise and batches with the public default "
+                "seed=0 unless given another: whoever knows that seed can remove the noise of "
+                "that run, and this version draws noise and batches differently, so it cannot "
+                "be resumed bit-identically. Start a new run."
+            )
+        if version != CHECKPOINT_VERSION:
             raise ValueError(
                 f"{os.fspath(path)!r} is not a dpfunc checkpoint (version {CHECKPOINT_VERSION})"
             )
         saved, ours = checkpoint["config"], self._config()
-        seed = saved["seed"]
+        seed, secret = saved["seed"], checkpoint["seed_secret"]
         if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
             raise ValueError(f"checkpoint {os.fspath(path)!r} holds no valid seed")
-        if seed != self.seed and not self._seed_drawn:
+        if not isinstance(secret, bool):
+            raise ValueError(f"checkpoint {os.fspath(path)!r} holds no valid seed_secret flag")
+        if seed != self.seed and not self._adopts_seed:
             raise ValueError(  # neither seed is printed: both are secrets
                 f"checkpoint {os.fspath(path)!r} was written with another seed than the one "
                 "this trainer was given; build the trainer with seed=None to resume it"
+            )
+        if seed != self.seed and not secret:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} was written with a fixed seed, which is not a "
+                "secret: a run resumed from it is not private, whoever knows the seed can remove "
+                "its noise. To continue it as the reproducible run it is, build the trainer with "
+                "that seed; for a private run, start anew with seed=None."
             )
         for key, value in ours.items():
             if key != "seed" and saved.get(key) != value:

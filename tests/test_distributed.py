@@ -221,8 +221,10 @@ def trainer_resume(rank: int, outdir: str) -> dict:
     except ValueError as error:
         errors["seed"] = str(error)
     drawn = make_trainer(seed=None)  # rank 0 draws the secret and broadcasts it
-    adopting = make_trainer(seed=None)
-    adopting.load(checkpoint)  # a drawn secret gives way to the checkpoint's
+    try:  # the checkpoint's seed is a fixed one: a seed=None trainer must not adopt it
+        make_trainer(seed=None).load(checkpoint)
+    except ValueError as error:
+        errors["adopt"] = str(error)
     fresh = make_trainer()
     try:  # rank 1 cannot read its file: every rank raises, nobody changes
         fresh.load(checkpoint if rank == 0 else os.path.join(outdir, "missing.pt"))
@@ -236,7 +238,6 @@ def trainer_resume(rank: int, outdir: str) -> dict:
         "errors": errors,
         "fresh_steps": fresh.steps_done,
         "drawn_seed": drawn.seed,
-        "adopted_seed": adopting.seed,
     }
 
 
@@ -416,7 +417,7 @@ def test_trainer_resumes_a_two_rank_run_bit_identically(main_run):
             assert resumed[r]["history"][-1][key] == whole[0]["history"][-1][key]
         assert "seed differs across ranks" in resumed[r]["errors"]["seed"]
         assert "seed=<secret>" in resumed[r]["errors"]["seed"]  # never printed
-        assert resumed[r]["adopted_seed"] == TRAINER["seed"]
+        assert "fixed seed, which is not a secret" in resumed[r]["errors"]["adopt"]
         assert resumed[r]["fresh_steps"] == 0  # a failed load changes nothing
     assert resumed[0]["drawn_seed"] == resumed[1]["drawn_seed"] != TRAINER["seed"]
     assert resumed[0]["drawn_seed"].bit_length() > 200

@@ -186,7 +186,11 @@ def test_secure_stream_is_the_documented_one():
     z = dpfunc.standard_normal_like(params, seed=SECRET, step=11, secure=True)
     words = _chacha20_words(SECRET, 11, 4 * 4 + 4)
     four = _box_muller(words[:16])  # "a": 4 values, 4 terms each
-    expected_a = [sum(four[i + 4 * t] for t in range(4)) / 2 for i in range(4)]
+    # rows: sines of pairs 0-3 and 4-7, cosines of pairs 0-3 and 4-7; cosines rolled by one
+    expected_a = [
+        (four[i] + four[4 + i] + four[8 + (i + 1) % 4] + four[12 + (i + 1) % 4]) / 2
+        for i in range(4)
+    ]
     expected_b = _box_muller(words[16:20])[:3]  # "b": 3 values from 2 pairs, the last dropped
     torch.testing.assert_close(z["a"].flatten(), torch.tensor(expected_a, dtype=torch.float64))
     torch.testing.assert_close(z["b"], torch.tensor(expected_b, dtype=torch.float64))
@@ -280,3 +284,16 @@ def test_a_secure_step_releases_the_noisy_sum_rounded_once_then_averaged():
     released = (sigma * clip_norm * noise["w"]).float() / expected
     assert state.params["w"].dtype == torch.float32
     torch.testing.assert_close(-state.params["w"], released, rtol=0, atol=0)
+
+
+def test_a_bad_seed_is_refused_without_printing_it():
+    secret = dpfunc.secret_seed()
+    for bad in (str(secret), -secret, float(secret)):
+        for call in (
+            lambda b=bad: dpfunc.standard_normal_like({"w": torch.zeros(2)}, seed=b, step=0),
+            lambda b=bad: dpfunc.data.poisson_sample(10, 0.5, seed=b, step=0),
+            lambda b=bad: dpfunc.data.PoissonBatches(torch.zeros(4), 0.5, 2, seed=b),
+        ):
+            with pytest.raises(ValueError, match="seed must be an int >= 0") as caught:
+                call()
+            assert str(secret)[:12] not in str(caught.value)

@@ -130,10 +130,10 @@ def test_oversized_batches_use_several_micro_batches():
 
 
 def test_resume_is_bit_identical(tmp_path):
-    whole = make(epochs=3)  # a fresh secret seed
+    first = make(epochs=3)  # a fresh secret seed
+    whole = make(epochs=3, seed=first.seed)  # the same run, uninterrupted
     whole.fit()
 
-    first = make(epochs=3, seed=whole.seed)
     first.fit(max_steps=7)
     assert first.steps_done == 7
     first.save(tmp_path / "run.pt")
@@ -196,6 +196,31 @@ def test_a_checkpoint_of_another_seed_is_refused_without_printing_either(tmp_pat
     with pytest.raises(ValueError, match="secure_noise"):
         make(seed=secret, secure_noise=True).load(path)
     assert torch.load(path, weights_only=True)["config"]["seed"] == secret
+
+
+def test_a_fresh_trainer_refuses_a_checkpoint_of_a_fixed_seed(tmp_path):
+    """Adopting it would silently continue a run whose noise anyone with the seed removes."""
+    path = tmp_path / "ck.pt"
+    fixed = make(seed=0)  # a public seed: reproducible, not private
+    fixed.fit(max_steps=2)
+    fixed.save(path)
+    with pytest.raises(ValueError, match="fixed seed, which is not a secret"):
+        make().load(path)
+    again = make(seed=0)
+    again.load(path)  # resumed knowingly, as the reproducible run it is
+    assert again.steps_done == 2
+
+
+def test_checkpoints_of_the_public_default_seed_era_are_refused(tmp_path):
+    path = tmp_path / "v1.pt"
+    trainer = make()
+    trainer.save(path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["version"] = 1
+    del checkpoint["seed_secret"]
+    torch.save(checkpoint, path)
+    with pytest.raises(ValueError, match="public default seed=0"):
+        make().load(path)
 
 
 def test_checkpoint_written_during_fit_resumes(tmp_path):
@@ -298,9 +323,9 @@ def test_default_delta_is_below_one_over_n_and_large_delta_warns():
         (dict(epsilon_budget="2"), "epsilon_budget='2'"),
         (dict(epochs=True), "epochs=True"),
         (dict(checkpoint_every=3), "checkpoint_path"),
-        (dict(seed=-1), "seed must be None .* got a negative int"),
-        (dict(seed=1.0), "seed must be None .* got float"),
-        (dict(seed=True), "seed must be None .* got bool"),
+        (dict(seed=-1), "seed must be an int >= 0 .* got a negative int"),
+        (dict(seed=1.0), "seed must be an int >= 0 .* got a float"),
+        (dict(seed=True), "seed must be an int >= 0 .* got a bool"),
         (dict(secure_noise=1), "secure_noise must be a bool, got secure_noise=1"),
     ],
 )
