@@ -114,13 +114,14 @@ def _one_sided(positive: np.ndarray, negative: np.ndarray, delta: float, alpha: 
     threshold, give a Clopper-Pearson lower bound on the true-positive
     rate. Each of its ``2 * len(ranks)`` confidence statements gets
     ``alpha / (2 * len(ranks))`` (a union bound), and ties are broken by
-    keys drawn independently of the scores (a randomised test), which makes
-    the order continuous.
+    fresh random keys drawn independently of the scores (a randomised test),
+    which makes the order continuous; scores without ties give the same
+    result every time.
     """
     m, n = negative.size, positive.size
     ranks = threshold_ranks(m)
     level = alpha / (2 * len(ranks))
-    keys = np.random.default_rng(0x5EED).random(m + n)  # public: only breaks ties
+    keys = np.random.default_rng().random(m + n)  # fresh, independent of the scores
     order = np.lexsort((keys, np.concatenate([negative, positive])))
     position = np.empty(m + n, dtype=np.int64)
     position[order] = np.arange(m + n)
@@ -157,8 +158,9 @@ def epsilon_lower_bound(
     returned. A union bound over every confidence statement pays for that
     choice, so the result holds with probability at least ``confidence``
     over the runs, for every mechanism, with no assumption on the scores'
-    distribution: they only need to come from independent runs, and their
-    direction does not matter.
+    distribution: they only need to be independent draws (one per run, or
+    one per canary when, as with :class:`GradientCanary`, canaries in one
+    run are independent experiments), and their direction does not matter.
 
     Args:
         scores_in: one score per run with the canary (a 1-D tensor, array
@@ -366,7 +368,18 @@ def canary_scores(
             secret.
 
     Returns:
-        ``(scores_in, scores_out)`` for :func:`epsilon_lower_bound`.
+        ``(scores_in, scores_out)`` for :func:`epsilon_lower_bound`, one
+        score per canary and run. Pooling a run's canaries as independent
+        samples is sound for DP-SGD as dpfunc implements it: each example is
+        clipped on its own, the noise and the Poisson inclusions are
+        independent across coordinates and examples, and every
+        :mod:`dpfunc.optim` transformation acts coordinate by coordinate
+        (measured: correlations between canaries' scores within 1/sqrt(runs)
+        for flat, per-layer and normalized clipping with SGD, momentum and
+        Adam). A mechanism that couples examples breaks it: dividing by the
+        realised batch size, or a Trainer whose sampling rate depends on
+        how many canaries a run holds (pass ``keep_size=True`` for Trainer
+        audits). Audit those with ``canaries=1``.
     """
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
         raise ValueError(f"runs must be an int >= 1, got runs={runs!r}")

@@ -103,8 +103,9 @@ def secret_seed() -> int:
     Key the noise (:func:`standard_normal_like`) and the Poisson sample
     (:func:`dpfunc.data.poisson_sample`) of a private run with it, keep it
     as private as the data (it lives in memory and in checkpoints), and never
-    log or publish it. Its 256 bits match the SHA-256 and ChaCha20 keys
-    derived from it. :class:`dpfunc.Trainer` draws one when ``seed=None``.
+    log or publish it. Its 256 bits match the keys derived from it
+    (SHA-256 for ChaCha20, SHAKE-256 for torch's generators).
+    :class:`dpfunc.Trainer` draws one when ``seed=None``.
 
     >>> secret_seed() != secret_seed()
     True

@@ -99,7 +99,7 @@ def test_identical_distributions_give_almost_nothing():
 def test_bound_accepts_tensors_lists_and_ties():
     separated = epsilon_lower_bound(torch.ones(1000), np.zeros(1000), delta=DELTA)
     assert 4.0 < separated < math.log(1000)
-    assert epsilon_lower_bound([0.0] * 50, [0.0] * 50, delta=0.0) == 0.0
+    assert epsilon_lower_bound([0.0] * 50, [0.0] * 50, delta=0.0) < 0.5  # ties: random order
 
 
 @pytest.mark.parametrize(
