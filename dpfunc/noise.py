@@ -152,8 +152,9 @@ def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool =
         float64 with ``secure=True``; an empty tree gives an empty tree.
 
     Raises:
-        ValueError: ``seed`` or ``step`` is not a non-negative int, or
-            ``secure`` is not a bool.
+        ValueError: ``seed`` or ``step`` is not a non-negative int,
+            ``secure`` is not a bool, or a leaf is complex (``torch.randn``
+            would give each real coordinate variance 1/2).
         ImportError: ``secure=True`` without ``cryptography``.
 
     >>> params = {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(3)}
@@ -172,6 +173,13 @@ def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool =
         raise ValueError(f"step must be a non-negative int, got step={step!r}")
     if not isinstance(secure, bool):
         raise ValueError(f"secure must be a bool, got secure={secure!r}")
+    complex_leaves = [x.dtype for x in tree_leaves(params) if x.is_complex()]
+    if complex_leaves:  # torch.randn splits the variance over the real and imaginary parts
+        raise ValueError(
+            f"params must be real tensors, got dtype {complex_leaves[0]}: the Gaussian mechanism "
+            "needs N(0, 1) on every real coordinate; view complex parameters as real ones "
+            "(torch.view_as_real) in the loss instead"
+        )
     if secure:
         return _secure_normal_like(params, seed, step)
     leaves = tree_leaves(params)

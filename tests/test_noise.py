@@ -297,3 +297,11 @@ def test_a_bad_seed_is_refused_without_printing_it():
             with pytest.raises(ValueError, match="seed must be an int >= 0") as caught:
                 call()
             assert str(secret)[:12] not in str(caught.value)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_complex_parameters_are_refused_not_under_noised(secure):
+    with pytest.raises(ValueError, match="params must be real tensors, got dtype torch.complex64"):
+        dpfunc.standard_normal_like(
+            {"w": torch.zeros(3, dtype=torch.complex64)}, 0, 0, secure=secure
+        )
