@@ -45,10 +45,11 @@ import contextlib
 import functools
 import logging
 import math
-import numbers
 from typing import Any
 
 import dp_accounting
+
+from .checks import check_choice, check_int, check_number
 
 __all__ = [
     "METHODS",
@@ -79,55 +80,28 @@ History = list[tuple[float, float, int]]
 # --------------------------------------------------------------------------
 
 
-def _check_real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {name}={value!r}")
-    return float(value)
-
-
 def _check_noise_multiplier(value: Any, name: str = "noise_multiplier") -> float:
-    x = _check_real(name, value)
-    if not (0.0 <= x < math.inf):
-        raise ValueError(f"{name} must be a finite number >= 0, got {name}={value!r}")
-    return x
+    return check_number(name, value, low=0, high_open=True)
 
 
 def _check_sample_rate(value: Any, name: str = "sample_rate") -> float:
-    x = _check_real(name, value)
-    if not (0.0 < x <= 1.0):
-        raise ValueError(f"{name} must be in (0, 1], got {name}={value!r}")
-    return x
+    return check_number(name, value, low=0, high=1, low_open=True)
 
 
 def _check_steps(value: Any, name: str = "steps") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int >= 0, got {name}={value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {name}={value!r}")
-    return int(value)
+    return check_int(name, value)
 
 
 def _check_delta(value: Any) -> float:
-    x = _check_real("delta", value)
-    if not (0.0 < x < 1.0):
-        raise ValueError(f"delta must be in (0, 1), got delta={value!r}")
-    return x
+    return check_number("delta", value, low=0, high=1, low_open=True, high_open=True)
 
 
 def _check_method(value: Any, name: str = "method") -> str:
-    if not isinstance(value, str) or value not in METHODS:
-        valid = ", ".join(repr(m) for m in METHODS)
-        raise ValueError(f"{name} must be one of {valid}, got {name}={value!r}")
-    return value
+    return check_choice(name, value, METHODS)
 
 
 def _check_target_epsilon(value: Any) -> float:
-    x = _check_real("target_epsilon", value)
-    if not (0.0 < x < math.inf):
-        raise ValueError(
-            f"target_epsilon must be a finite number > 0, got target_epsilon={value!r}"
-        )
-    return x
+    return check_number("target_epsilon", value, low=0, low_open=True, high_open=True)
 
 
 # --------------------------------------------------------------------------

@@ -51,6 +51,7 @@ import torch
 from scipy import stats
 from torch import Tensor, nn
 
+from .checks import check_int, check_number
 from .noise import secret_seed
 from .tree import Params
 
@@ -193,14 +194,8 @@ def epsilon_lower_bound(
     """
     positive = _as_scores("scores_in", scores_in)
     negative = _as_scores("scores_out", scores_out)
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < 1:
-        raise ValueError(f"delta must be a number in [0, 1), got delta={delta!r}")
-    if (
-        isinstance(confidence, bool)
-        or not isinstance(confidence, (int, float))
-        or not 0 < confidence < 1
-    ):
-        raise ValueError(f"confidence must be in (0, 1), got confidence={confidence!r}")
+    check_number("delta", delta, low=0, high=1, high_open=True)
+    check_number("confidence", confidence, low=0, high=1, low_open=True, high_open=True)
     alpha = (1 - confidence) / 4  # a quarter for each of the four families of tests
     return max(
         _one_sided(a, b, delta, alpha)
@@ -270,16 +265,11 @@ class GradientCanary:
         canary_norm: float = 1e3,
         seed: int = 0,
     ) -> None:
-        for name, value, minimum in (
-            ("canaries", canaries, 1),
-            ("examples", examples, 0),
-            ("features", features, 1),
-            ("classes", classes, 2),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
-        if not (isinstance(canary_norm, (int, float)) and 0 < canary_norm < math.inf):
-            raise ValueError(f"canary_norm must be finite and > 0, got canary_norm={canary_norm!r}")
+        check_int("canaries", canaries, minimum=1)
+        check_int("examples", examples, minimum=0)
+        check_int("features", features, minimum=1)
+        check_int("classes", classes, minimum=2)
+        check_number("canary_norm", canary_norm, low=0, low_open=True, high_open=True)
         self.canaries, self.examples, self.canary_norm = canaries, examples, float(canary_norm)
         generator = torch.Generator().manual_seed(seed)
         self.model = nn.Linear(canaries + features, classes, bias=False)
@@ -381,8 +371,7 @@ def canary_scores(
         how many canaries a run holds (pass ``keep_size=True`` for Trainer
         audits). Audit those with ``canaries=1``.
     """
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1:
-        raise ValueError(f"runs must be an int >= 1, got runs={runs!r}")
+    check_int("runs", runs, minimum=1)
     generator = torch.Generator().manual_seed(seed)
     scores_in, scores_out = [], []
     for _ in range(runs):

@@ -22,6 +22,7 @@ import optree
 import torch
 from torch import Tensor
 
+from .checks import check_number
 from .tree import Params, PyTree, tree_leaves, tree_map
 
 Groups = Mapping[str, Sequence[str]]
@@ -162,8 +163,7 @@ def clip_factors(
     if normalize:
         if math.isinf(clip_norm):
             raise ValueError("normalized clipping needs a finite clip_norm, got clip_norm=inf")
-        if not gamma > 0:
-            raise ValueError(f"gamma must be > 0, got gamma={gamma!r}")
+        check_number("gamma", gamma, low=0, low_open=True, high_open=True)
         factors = clip_norm / (norms + gamma)
     else:
         tiny = torch.finfo(norms.dtype).tiny
@@ -193,9 +193,8 @@ def _group_thresholds(clip_norm, groups: list[str]) -> dict[str, float]:
     return {g: clip_norm / math.sqrt(len(groups)) for g in groups}
 
 
-def _check_clip_norm(clip_norm, name: str = "clip_norm") -> None:
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not clip_norm > 0:
-        raise ValueError(f"{name} must be a number > 0 (inf disables clipping), got {clip_norm!r}")
+def _check_clip_norm(clip_norm, name: str = "clip_norm") -> float:
+    return check_number(name, clip_norm, low=0, low_open=True, note="(inf disables clipping)")
 
 
 def clipped_sum(

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset, default_collate
 
+from .checks import check_int, check_number
 from .noise import check_seed, keyed_generator, secret_seed
 
 PyTree = Any
@@ -95,10 +96,10 @@ def poisson_sample(num_examples: int, sample_rate: float, *, seed: int, step: in
     >>> poisson_sample(4, 1.0, seed=secret, step=0)
     tensor([0, 1, 2, 3])
     """
-    _check_int("num_examples", num_examples, minimum=1)
-    _check_sample_rate(sample_rate)
+    check_int("num_examples", num_examples, minimum=1)
+    check_number("sample_rate", sample_rate, low=0, high=1, low_open=True)
     check_seed(seed)
-    _check_int("step", step, minimum=0)
+    check_int("step", step, minimum=0)
     generator = keyed_generator("dpfunc.poisson", seed, step, torch.device("cpu"))
     keep = torch.rand(num_examples, generator=generator, dtype=torch.float64) < sample_rate
     return torch.nonzero(keep).flatten().to(torch.int64)
@@ -123,7 +124,7 @@ def split_for_rank(indices: Tensor, rank: int, world_size: int) -> Tensor:
     >>> split_for_rank(torch.arange(5), rank=1, world_size=2)
     tensor([1, 3])
     """
-    _check_int("world_size", world_size, minimum=1)
+    check_int("world_size", world_size, minimum=1)
     _check_rank(rank, world_size)
     if not isinstance(indices, Tensor) or indices.dim() != 1:
         raise ValueError(f"indices must be a 1-D tensor, got indices={indices!r}")
@@ -142,8 +143,8 @@ def num_micro_batches(batch_size: int, physical_batch_size: int) -> int:
     >>> num_micro_batches(0, 8), num_micro_batches(8, 8), num_micro_batches(17, 8)
     (1, 1, 3)
     """
-    _check_int("batch_size", batch_size, minimum=0)
-    _check_int("physical_batch_size", physical_batch_size, minimum=1)
+    check_int("batch_size", batch_size, minimum=0)
+    check_int("physical_batch_size", physical_batch_size, minimum=1)
     return max(1, math.ceil(batch_size / physical_batch_size))
 
 
@@ -271,7 +272,7 @@ def micro_batches(
     >>> [(b.tolist(), m.tolist()) for b, m in micro_batches(x, [4, 2, 3], 2)]
     [([4.0, 2.0], [1.0, 1.0]), ([3.0, 0.0], [1.0, 0.0])]
     """
-    _check_int("physical_batch_size", physical_batch_size, minimum=1)
+    check_int("physical_batch_size", physical_batch_size, minimum=1)
     if not isinstance(mask_dtype, torch.dtype) or not mask_dtype.is_floating_point:
         raise ValueError(
             f"mask_dtype must be a floating torch.dtype, got mask_dtype={mask_dtype!r}"
@@ -285,7 +286,7 @@ def micro_batches(
     if num is None:
         num = needed
     else:
-        _check_int("num", num, minimum=1)
+        check_int("num", num, minimum=1)
         if num < needed:
             raise ValueError(
                 f"num must be >= {needed} to hold {count} examples in micro-batches of "
@@ -356,9 +357,9 @@ class PoissonBatches:
         num_examples = dataset_size(dataset)
         if num_examples < 1:
             raise ValueError("dataset must hold at least one example, got 0 examples")
-        _check_sample_rate(sample_rate)
-        _check_int("physical_batch_size", physical_batch_size, minimum=1)
-        _check_int("world_size", world_size, minimum=1)
+        check_number("sample_rate", sample_rate, low=0, high=1, low_open=True)
+        check_int("physical_batch_size", physical_batch_size, minimum=1)
+        check_int("world_size", world_size, minimum=1)
         _check_rank(rank, world_size)
         if seed is None:
             if world_size > 1:
@@ -423,9 +424,9 @@ class PoissonBatches:
 
         ``stop = None`` never ends; resume a run with ``steps(start=its_step)``.
         """
-        _check_int("start", start, minimum=0)
+        check_int("start", start, minimum=0)
         if stop is not None:
-            _check_int("stop", stop, minimum=0)
+            check_int("stop", stop, minimum=0)
         step = start
         while stop is None or step < stop:
             batches, count = self.logical_batch(step)
@@ -445,20 +446,6 @@ class PoissonBatches:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _check_int(name: str, value: Any, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {name}={value!r}")
-
-
-def _check_sample_rate(sample_rate: Any) -> None:
-    if (
-        isinstance(sample_rate, bool)
-        or not isinstance(sample_rate, (int, float))
-        or not 0 < sample_rate <= 1
-    ):
-        raise ValueError(f"sample_rate must be a number in (0, 1], got sample_rate={sample_rate!r}")
 
 
 def _check_rank(rank: Any, world_size: int) -> None:

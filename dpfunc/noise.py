@@ -69,11 +69,13 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import check_number
 from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_map, tree_normal_like
 
 SECRET_BITS = 256
@@ -339,17 +341,17 @@ def average(x: Params, expected_batch_size: float) -> Params:
     Raises:
         ValueError: ``expected_batch_size`` is not > 0.
     """
-    _check_expected_batch_size(expected_batch_size)
+    check_expected_batch_size(expected_batch_size)
     return tree_map(lambda leaf: leaf / expected_batch_size, x)
 
 
-def _check_expected_batch_size(expected_batch_size) -> None:
-    if (
-        isinstance(expected_batch_size, bool)
-        or not isinstance(expected_batch_size, (int, float))
-        or not 0 < expected_batch_size < float("inf")
-    ):
-        raise ValueError(
-            "expected_batch_size must be a finite number > 0 (sample_rate * num_examples), "
-            f"got expected_batch_size={expected_batch_size!r}"
-        )
+def check_expected_batch_size(expected_batch_size: Any) -> float:
+    """The denominator of the private average: a finite number > 0."""
+    return check_number(
+        "expected_batch_size",
+        expected_batch_size,
+        low=0,
+        low_open=True,
+        high_open=True,
+        note="(sample_rate * num_examples)",
+    )

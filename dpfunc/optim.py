@@ -25,14 +25,13 @@ once, when the transformation is built.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from .checks import check_number
 from .tree import Params, PyTree, check_same_structure, tree_map, tree_zeros_like
 
 State = Any  # a NamedTuple (or tuple) of tensors
@@ -85,7 +84,7 @@ def scale(factor: float) -> GradientTransformation:
     Raises:
         ValueError: ``factor`` is not a finite real number.
     """
-    _check_real("factor", factor, _is_real(factor) and math.isfinite(factor), "a finite number")
+    check_number("factor", factor, high_open=True, low_open=True)
 
     def init(params: PyTree) -> EmptyState:
         return EmptyState()
@@ -152,10 +151,10 @@ def sgd(
             outside [0, 1]; ``weight_decay < 0``; ``nesterov`` with
             ``momentum == 0`` or ``dampening != 0`` (as torch does).
     """
-    _check_positive("lr", lr)
-    _check_unit_interval("momentum", momentum)
-    _check_real("dampening", dampening, _is_real(dampening) and 0 <= dampening <= 1, "in [0, 1]")
-    _check_nonnegative("weight_decay", weight_decay)
+    check_number("lr", lr, low=0, low_open=True, high_open=True)
+    check_number("momentum", momentum, low=0, high=1, high_open=True)
+    check_number("dampening", dampening, low=0, high=1)
+    check_number("weight_decay", weight_decay, low=0, high_open=True)
     if not isinstance(nesterov, bool):
         raise ValueError(f"nesterov must be a bool, got nesterov={nesterov!r}")
     if nesterov and (momentum == 0 or dampening != 0):
@@ -234,15 +233,15 @@ def adamw(
 
 
 def _adam(lr, betas, eps, weight_decay, decoupled: bool) -> GradientTransformation:
-    _check_positive("lr", lr)
+    check_number("lr", lr, low=0, low_open=True, high_open=True)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got betas={betas!r}")
-    for i, beta in enumerate(betas):
-        if not (_is_real(beta) and 0 <= beta < 1):
-            raise ValueError(f"betas[{i}] must be in [0, 1), got betas={betas!r}")
-    b1, b2 = float(betas[0]), float(betas[1])
-    _check_positive("eps", eps)
-    _check_nonnegative("weight_decay", weight_decay)
+    b1, b2 = (
+        check_number(f"betas[{i}]", beta, low=0, high=1, high_open=True)
+        for i, beta in enumerate(betas)
+    )
+    check_number("eps", eps, low=0, low_open=True, high_open=True)
+    check_number("weight_decay", weight_decay, low=0, high_open=True)
 
     def init(params: PyTree) -> AdamState:
         zeros = torch.zeros((), dtype=torch.int64)
@@ -273,29 +272,6 @@ def _adam(lr, betas, eps, weight_decay, decoupled: bool) -> GradientTransformati
 
 
 # --- validation at the boundary ----------------------------------------------
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_real(name: str, value: Any, ok: bool, requirement: str) -> None:
-    if not (_is_real(value) and ok):
-        raise ValueError(f"{name} must be {requirement}, got {name}={value!r}")
-
-
-def _check_positive(name: str, value: Any) -> None:
-    ok = _is_real(value) and math.isfinite(value) and value > 0
-    _check_real(name, value, ok, "a finite number > 0")
-
-
-def _check_nonnegative(name: str, value: Any) -> None:
-    ok = _is_real(value) and math.isfinite(value) and value >= 0
-    _check_real(name, value, ok, "a finite number >= 0")
-
-
-def _check_unit_interval(name: str, value: Any) -> None:
-    _check_real(name, value, _is_real(value) and 0 <= value < 1, "in [0, 1)")
 
 
 def _require_params(params: PyTree, optimizer: str, option: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
+from .checks import check_int
 from .tree import Params, PyTree, tree_leaves
 
 LossFn = Callable[[Params, PyTree], Any]
@@ -95,10 +96,8 @@ def batch_size(batch: PyTree, name: str = "batch") -> int:
 
 def _grads_and_losses(loss_fn, params, batch, chunk_size, has_aux):
     batch_size(batch)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(
-            f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}"
-        )
+    if chunk_size is not None:
+        check_int("chunk_size", chunk_size, minimum=1)
 
     def example_loss(p, example):
         out = loss_fn(p, example)

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from . import optim
+from .checks import check_choice, check_int, check_number
 from .clipping import (
     clip_factors,
     clipped_sum,
@@ -35,7 +36,7 @@ from .clipping import (
     per_sample_norms,
 )
 from .ghost import GhostClipper, ghost_clip
-from .noise import _check_expected_batch_size, add_noise, average
+from .noise import add_noise, average, check_expected_batch_size
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_zeros_like
 
@@ -119,42 +120,21 @@ class TrainStep:
                 "optimizer must be an (init, update) pair such as dpfunc.optim.sgd(lr=0.1), "
                 f"got {type(optimizer).__name__}"
             )
-        if (
-            isinstance(clip_norm, bool)
-            or not isinstance(clip_norm, (int, float))
-            or not clip_norm > 0
-        ):
-            raise ValueError(
-                f"clip_norm must be > 0 (inf disables clipping), got clip_norm={clip_norm!r}"
-            )
-        if (
-            isinstance(noise_multiplier, bool)
-            or not isinstance(noise_multiplier, (int, float))
-            or not 0 <= noise_multiplier < math.inf
-        ):
-            raise ValueError(
-                "noise_multiplier must be finite and >= 0, "
-                f"got noise_multiplier={noise_multiplier!r}"
-            )
+        check_number("clip_norm", clip_norm, low=0, low_open=True, note="(inf disables clipping)")
+        check_number("noise_multiplier", noise_multiplier, low=0, high_open=True)
         if math.isinf(clip_norm) and noise_multiplier > 0:
             raise ValueError(
                 "clip_norm=inf leaves the sensitivity unbounded, so noise cannot make the "
                 f"step private; use a finite clip_norm or noise_multiplier=0, got "
                 f"noise_multiplier={noise_multiplier!r}"
             )
-        _check_expected_batch_size(expected_batch_size)
-        if clipping not in CLIPPING_MODES:
-            raise ValueError(f"clipping must be one of {CLIPPING_MODES}, got clipping={clipping!r}")
+        check_expected_batch_size(expected_batch_size)
+        check_choice("clipping", clipping, CLIPPING_MODES)
         if clipping == "normalized" and math.isinf(clip_norm):
             raise ValueError("clipping='normalized' needs a finite clip_norm, got clip_norm=inf")
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
-            raise ValueError(
-                f"chunk_size must be a positive int or None, got chunk_size={chunk_size!r}"
-            )
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got method={method!r}")
+        if chunk_size is not None:
+            check_int("chunk_size", chunk_size, minimum=1)
+        check_choice("method", method, METHODS)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         if method == "ghost" and model is None:

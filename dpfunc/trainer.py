@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from . import distributed as _distributed
 from . import optim
 from .accounting import Accountant, calibrate_noise_multiplier
+from .checks import check_int, check_number
 from .data import PoissonBatches, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .per_sample import LossFn
@@ -163,13 +164,11 @@ class Trainer:
         self.rank, self.world_size = (
             _distributed.rank_and_world_size() if self.distributed else (0, 1)
         )
-        if not (_is_number(epochs) and 0 < epochs < math.inf):
-            raise ValueError(f"epochs must be a finite number > 0, got epochs={epochs!r}")
-        if not (_is_number(expected_batch_size) and 0 < expected_batch_size <= n):
-            raise ValueError(
-                f"expected_batch_size must be in (0, {n}] (the dataset size), "
-                f"got expected_batch_size={expected_batch_size!r}"
-            )
+        check_number("epochs", epochs, low=0, low_open=True, high_open=True)
+        check_number(
+            "expected_batch_size", expected_batch_size, low=0, high=n, low_open=True,
+            note="(at most the dataset size)",
+        )  # fmt: skip
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError(
                 "give exactly one of noise_multiplier and target_epsilon, got "
@@ -177,9 +176,7 @@ class Trainer:
             )
         if delta is None:
             delta = 10.0 ** -(math.floor(math.log10(n)) + 1)
-        elif not (isinstance(delta, float) and 0 < delta < 1):
-            raise ValueError(f"delta must be a float in (0, 1), got delta={delta!r}")
-        elif delta >= 1 / n:
+        elif check_number("delta", delta, low=0, high=1, low_open=True, high_open=True) >= 1 / n:
             warnings.warn(
                 f"delta={delta!r} is not below 1/num_examples={1 / n:.3g}: a mechanism that "
                 "publishes one whole random example meets it. Use delta < 1/n.",
@@ -188,20 +185,11 @@ class Trainer:
         if physical_batch_size is None:
             share = expected_batch_size / self.world_size  # each rank's expected share
             physical_batch_size = math.ceil(share + 3 * math.sqrt(share))
-        if not (isinstance(physical_batch_size, int) and physical_batch_size >= 1):
-            raise ValueError(
-                "physical_batch_size must be a positive int, "
-                f"got physical_batch_size={physical_batch_size!r}"
-            )
-        if epsilon_budget is not None and not (_is_number(epsilon_budget) and epsilon_budget > 0):
-            raise ValueError(f"epsilon_budget must be > 0, got epsilon_budget={epsilon_budget!r}")
-        if checkpoint_every is not None and not (
-            isinstance(checkpoint_every, int) and checkpoint_every >= 1
-        ):
-            raise ValueError(
-                "checkpoint_every must be a positive int, "
-                f"got checkpoint_every={checkpoint_every!r}"
-            )
+        check_int("physical_batch_size", physical_batch_size, minimum=1)
+        if epsilon_budget is not None:
+            check_number("epsilon_budget", epsilon_budget, low=0, low_open=True)
+        if checkpoint_every is not None:
+            check_int("checkpoint_every", checkpoint_every, minimum=1)
         if checkpoint_every is not None and checkpoint_path is None:
             raise ValueError("checkpoint_every needs checkpoint_path")
         if seed is not None:
@@ -369,8 +357,7 @@ class Trainer:
         """
         stop_at = self._last_step_within_budget()
         if max_steps is not None:
-            if isinstance(max_steps, bool) or not (isinstance(max_steps, int) and max_steps >= 0):
-                raise ValueError(f"max_steps must be an int >= 0, got max_steps={max_steps!r}")
+            check_int("max_steps", max_steps)
             stop_at = min(stop_at, self.steps_done + max_steps)
         bar = tqdm(
             total=stop_at,
@@ -660,10 +647,6 @@ _NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfunc-noi
 
 def _draw_noise(template: Params, seed: int, step: int, secure: bool) -> Params:
     return standard_normal_like(template, seed=seed, step=step, secure=secure)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 __all__ = ["Trainer"]

@@ -109,7 +109,7 @@ def test_bound_accepts_tensors_lists_and_ties():
         (dict(scores_in=[[1.0]], scores_out=[1.0]), "scores_in must be 1-D"),
         (dict(scores_in=[1.0], scores_out=[math.nan]), "scores_out must be finite"),
         (dict(scores_in=[1.0], scores_out=[1.0], delta=1.0), "delta must be a number in"),
-        (dict(scores_in=[1.0], scores_out=[1.0], confidence=1.0), "confidence must be in"),
+        (dict(scores_in=[1.0], scores_out=[1.0], confidence=1.0), "confidence must be a number in"),
     ],
 )
 def test_bound_rejects_bad_input(kwargs, match):
@@ -144,7 +144,7 @@ def test_canary_gradient_is_a_fixed_direction_and_nulls_contribute_nothing():
 def test_canary_rejects_bad_arguments():
     with pytest.raises(ValueError, match="canaries must be an int >= 1, got canaries=0"):
         audit.GradientCanary(0)
-    with pytest.raises(ValueError, match="canary_norm must be finite"):
+    with pytest.raises(ValueError, match="canary_norm must be a finite number > 0"):
         audit.GradientCanary(3, canary_norm=math.inf)
     with pytest.raises(ValueError, match="included must be a bool tensor of shape"):
         audit.GradientCanary(3).dataset(torch.ones(4, dtype=torch.bool))

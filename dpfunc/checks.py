@@ -1,0 +1,104 @@
+"""Argument checks shared by the public functions, in one message style.
+
+Every public function validates its arguments at its boundary, once, with
+these helpers, so that a bad value always reads the same way::
+
+    ValueError: sample_rate must be a number in (0, 1], got sample_rate=1.5
+
+Booleans are refused where a number is expected (``True`` is an ``int`` in
+Python, never a sample rate). Each helper returns the value in its
+canonical Python type. Seeds have their own check
+(:func:`dpfunc.noise.check_seed`), which never prints the value.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["check_choice", "check_int", "check_number"]
+
+
+def _fail(name: str, requirement: str, value: Any) -> ValueError:
+    return ValueError(f"{name} must be {requirement}, got {name}={value!r}")
+
+
+def check_number(
+    name: str,
+    value: Any,
+    *,
+    low: float = -math.inf,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+    note: str = "",
+) -> float:
+    """``float(value)`` if it is a real number (not a bool) within the bounds.
+
+    ``low`` and ``high`` are included unless ``low_open`` / ``high_open``;
+    an infinite bound is always open unless the bound is included on
+    purpose (``high=math.inf, high_open=False`` admits ``inf``). NaN is
+    never within bounds. ``note`` is appended to the requirement, e.g.
+    ``"(inf disables clipping)"``.
+
+    >>> check_number("delta", 1e-5, low=0, high=1, low_open=True, high_open=True)
+    1e-05
+    >>> check_number("delta", 1.0, low=0, high=1, low_open=True, high_open=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: delta must be a number in (0, 1), got delta=1.0
+    """
+    requirement = _interval(low, high, low_open, high_open) + (f" {note}" if note else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, requirement, value)
+    x = float(value)
+    above = x > low if low_open else x >= low
+    below = x < high if high_open else x <= high
+    if not (above and below):
+        raise _fail(name, requirement, value)
+    return x
+
+
+def _interval(low: float, high: float, low_open: bool, high_open: bool) -> str:
+    if math.isinf(high) and high_open and math.isinf(low):
+        return "a finite number"
+    if math.isinf(high) and high_open:
+        return f"a finite number {'>' if low_open else '>='} {_show(low)}"
+    if math.isinf(high):
+        return f"a number {'>' if low_open else '>='} {_show(low)}"
+    if math.isinf(low):
+        return f"a number {'<' if high_open else '<='} {_show(high)}"
+    left, right = "(" if low_open else "[", ")" if high_open else "]"
+    return f"a number in {left}{_show(low)}, {_show(high)}{right}"
+
+
+def _show(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else repr(bound)
+
+
+def check_int(name: str, value: Any, *, minimum: int = 0) -> int:
+    """``int(value)`` if it is an integer (not a bool) ``>= minimum``.
+
+    >>> check_int("steps", 3)
+    3
+    >>> check_int("physical_batch_size", 0, minimum=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: physical_batch_size must be an int >= 1, got physical_batch_size=0
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise _fail(name, f"an int >= {minimum}", value)
+    return int(value)
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
+    """``value`` if it is one of ``choices``.
+
+    >>> check_choice("clipping", "flat", ("flat", "per_layer"))
+    'flat'
+    """
+    if not isinstance(value, str) or value not in choices:
+        raise _fail(name, "one of " + ", ".join(repr(c) for c in choices), value)
+    return value
