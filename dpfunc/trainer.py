@@ -587,10 +587,10 @@ class Trainer:
         if version == 1:
             raise ValueError(
                 f"checkpoint {os.fspath(path)!r} was written by an earlier dpfunc (checkpoint "
-                "version 1), whose Trainer keyed its noise and batches with the public default "
-                "seed=0 unless given another: whoever knows that seed can remove the noise of "
-                "that run, and this version draws noise and batches differently, so it cannot "
-                "be resumed bit-identically. Start a new run."
+                "version 1), whose Trainer keyed its noise and batches with a public default "
+                "(seed=0, public) unless given another seed: whoever knows it can remove the "
+                "noise of that run, and this version draws noise and batches differently, so it "
+                "cannot be resumed bit-identically. Start a new run."
             )
         if version != CHECKPOINT_VERSION:
             raise ValueError(

@@ -47,18 +47,23 @@ def test_draws_are_standard_normal():
     assert ks_statistic(noise, 1.0) < ks_critical(noise.numel())
 
 
-@pytest.mark.parametrize("ratio, accept", [(1.0, True), (2 / 3, False), (3 / 2, False)])
-def test_private_step_noise_has_std_sigma_c_over_expected_batch(ratio, accept):
-    """Zero gradients, SGD with lr=1: the update is exactly -noise."""
-    sigma, clip_norm, expected = 1.3, 0.7, 50.0
-    params = {"w": torch.zeros(20_000, dtype=torch.float64)}
-    step = dpfunc.make_train_step(
+def zero_gradient_step(sigma: float, clip_norm: float, expected: float):
+    """A plain-SGD step (lr 1) whose loss has zero gradient: its update is the noise alone."""
+    return dpfunc.make_train_step(
         lambda p, x: (p["w"] * 0).sum() + x.sum() * 0,
         dpfunc.optim.sgd(lr=1.0),
         clip_norm=clip_norm,
         noise_multiplier=sigma,
         expected_batch_size=expected,
     )
+
+
+@pytest.mark.parametrize("ratio, accept", [(1.0, True), (2 / 3, False), (3 / 2, False)])
+def test_private_step_noise_has_std_sigma_c_over_expected_batch(ratio, accept):
+    """Zero gradients, SGD with lr=1: the update is exactly -noise."""
+    sigma, clip_norm, expected = 1.3, 0.7, 50.0
+    params = {"w": torch.zeros(20_000, dtype=torch.float64)}
+    step = zero_gradient_step(sigma, clip_norm, expected)
     state = step.init(params)
     noise = dpfunc.standard_normal_like(params, seed=1, step=0)
     state, _ = step(state, torch.ones(4, 1, dtype=torch.float64), torch.ones(4), noise)
@@ -272,13 +277,7 @@ def test_a_secure_step_releases_the_noisy_sum_rounded_once_then_averaged():
     """Zero gradients, SGD with lr=1: the update is the float32 rounding of std * z, averaged."""
     sigma, clip_norm, expected = 1.3, 0.7, 3.0
     params = {"w": torch.zeros(1000)}
-    step = dpfunc.make_train_step(
-        lambda p, x: (p["w"] * 0).sum() + x.sum() * 0,
-        dpfunc.optim.sgd(lr=1.0),
-        clip_norm=clip_norm,
-        noise_multiplier=sigma,
-        expected_batch_size=expected,
-    )
+    step = zero_gradient_step(sigma, clip_norm, expected)
     noise = dpfunc.standard_normal_like(params, seed=SECRET, step=0, secure=True)
     state, _ = step(step.init(params), torch.ones(4, 1), torch.ones(4), noise)
     released = (sigma * clip_norm * noise["w"]).float() / expected

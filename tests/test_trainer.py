@@ -219,7 +219,7 @@ def test_checkpoints_of_the_public_default_seed_era_are_refused(tmp_path):
     checkpoint["version"] = 1
     del checkpoint["seed_secret"]
     torch.save(checkpoint, path)
-    with pytest.raises(ValueError, match="public default seed=0"):
+    with pytest.raises(ValueError, match="public default"):
         make().load(path)
 
 
