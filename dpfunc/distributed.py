@@ -13,7 +13,7 @@ private step on ``W`` ranks::
 **Why the noise is added once, with no broadcast.** The Gaussian mechanism
 must add ``N(0, (sigma * C)**2)`` to the clipped sum of the WHOLE logical
 batch, once. ``standard_normal_like(params, seed, step)`` is a deterministic
-function of ``(seed, step)`` (a generator seeded by their hash), so every rank
+function of ``(seed, step)`` (a generator keyed by their hash), so every rank
 draws the same ``z`` without communicating and adds it AFTER the all-reduce:
 each rank then holds the same ``S + sigma * C * z``, which is exactly the
 single-process mechanism. Adding noise before the all-reduce would be wrong
