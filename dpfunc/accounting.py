@@ -56,6 +56,7 @@ __all__ = [
     "PLD_VALUE_DISCRETIZATION_INTERVAL",
     "Accountant",
     "calibrate_noise_multiplier",
+    "combined_noise_multiplier",
     "epsilon",
 ]
 
@@ -165,6 +166,34 @@ def _runs_epsilon(runs: tuple[tuple[float, float, int], ...], delta: float, meth
 # --------------------------------------------------------------------------
 # Public API.
 # --------------------------------------------------------------------------
+
+
+def combined_noise_multiplier(noise_multiplier: float, count_noise_multiplier: float) -> float:
+    """The one Gaussian mechanism equal to the gradient sum and a private count released together.
+
+    Adaptive clipping (Andrew et al. 2021) releases, on the same Poisson
+    sample, the clipped sum (sensitivity ``C``, noise ``noise_multiplier *
+    C``) and the count of unclipped examples (sensitivity 1, noise
+    ``count_noise_multiplier``). Divide each release by its noise's standard
+    deviation: both get unit noise, and one example moves them by at most
+    ``1 / noise_multiplier`` and ``1 / count_noise_multiplier``, so the pair
+    is one Gaussian mechanism of L2 sensitivity ``sqrt(noise_multiplier**-2
+    + count_noise_multiplier**-2)``, i.e. noise multiplier ``(noise_multiplier**-2
+    + count_noise_multiplier**-2) ** -0.5`` (the paper's argument).
+    Accounting each step with this multiplier and the step's sample rate
+    accounts both releases.
+
+    Raises:
+        ValueError: either multiplier is not a finite number > 0.
+
+    >>> round(combined_noise_multiplier(1.0, 1.0), 6)
+    0.707107
+    """
+    sigma = check_number("noise_multiplier", noise_multiplier, low=0, low_open=True, high_open=True)
+    count = check_number(
+        "count_noise_multiplier", count_noise_multiplier, low=0, low_open=True, high_open=True
+    )
+    return (sigma**-2 + count**-2) ** -0.5
 
 
 def epsilon(

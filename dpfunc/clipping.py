@@ -11,6 +11,13 @@ contribution has norm below ``clip_norm`` and small gradients are not lost.
 In every mode an example whose norm is not finite (NaN or inf anywhere in
 its gradient) gets factor 0: it is dropped from the sum rather than spread
 into it.
+
+Adaptive clipping (Andrew, Thakkar, McMahan and Ramaswamy 2021, "Differentially
+private learning with adaptive clipping") moves the clip norm towards a
+target quantile of the per-example norms: each step counts the examples the
+clip left unscaled (:func:`unclipped_count`, sensitivity 1), releases that
+count with Gaussian noise, and updates the norm geometrically
+(:func:`adaptive_clip_norm`).
 """
 
 from __future__ import annotations
@@ -262,3 +269,65 @@ def _masked_sum(w: Tensor, g: Tensor) -> Tensor:
     """
     w = w.reshape(-1, *([1] * (g.dim() - 1)))
     return torch.where(w != 0, g * w, torch.zeros_like(g)).sum(0)
+
+
+def unclipped_count(norms: Tensor, clip_norm: float | Tensor, mask: Tensor | None = None) -> Tensor:
+    """``sum_i mask_i * [norm_i <= clip_norm]``: the examples the clip left unscaled.
+
+    The statistic of adaptive clipping (Andrew et al. 2021, Algorithm 1).
+    Adding or removing one example changes it by at most 1, so Gaussian
+    noise of standard deviation ``count_noise_multiplier`` makes it private
+    with noise multiplier ``count_noise_multiplier``. A non-finite norm
+    counts as clipped (its example is dropped from the sum); a padding row
+    (mask 0) counts as absent.
+
+    Args:
+        norms: ``Tensor[B]``, flat per-example norms (:func:`per_sample_norms`).
+        clip_norm: the current ``C``, a float or a 0-d tensor.
+        mask: ``Tensor[B]`` of 0/1 or bool; ``None`` keeps every row.
+
+    Returns:
+        A float64 0-d tensor.
+
+    >>> unclipped_count(torch.tensor([0.5, 1.0, 2.0, float("nan")]), 1.0)
+    tensor(2., dtype=torch.float64)
+    """
+    below = (norms <= clip_norm).to(torch.float64)  # NaN compares False: clipped
+    if mask is not None:
+        below = below * mask.to(torch.float64)
+    return below.sum()
+
+
+def adaptive_clip_norm(
+    clip_norm: float | Tensor,
+    noisy_count: Tensor,
+    expected_batch_size: float,
+    target_quantile: float,
+    learning_rate: float,
+) -> Tensor:
+    """The geometric update ``C * exp(-learning_rate * (noisy_count / m - target_quantile))``.
+
+    ``m`` is the expected batch size, so ``noisy_count / m`` estimates the
+    fraction of examples whose norm is at most ``C``; when it exceeds the
+    target quantile the norm shrinks, otherwise it grows (Andrew et al.
+    2021, the geometric update of Algorithm 1). A post-processing of the
+    noisy count: it reads no data.
+
+    Args:
+        clip_norm: the current ``C > 0``, a float or a 0-d tensor.
+        noisy_count: the released count, :func:`unclipped_count` plus noise.
+        expected_batch_size: ``m = sample_rate * num_examples``.
+        target_quantile: ``gamma`` in ``(0, 1)``.
+        learning_rate: ``eta > 0``.
+
+    Returns:
+        The new clip norm, a 0-d tensor in the dtype of ``noisy_count``.
+
+    >>> adaptive_clip_norm(1.0, torch.tensor(5.0), 10.0, 0.5, 0.2)
+    tensor(1.)
+    """
+    check_number("expected_batch_size", expected_batch_size, low=0, low_open=True, high_open=True)
+    check_number("target_quantile", target_quantile, low=0, high=1, low_open=True, high_open=True)
+    check_number("learning_rate", learning_rate, low=0, low_open=True, high_open=True)
+    fraction = noisy_count / expected_batch_size
+    return clip_norm * torch.exp(-learning_rate * (fraction - target_quantile))

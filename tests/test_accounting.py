@@ -15,6 +15,7 @@ import dp_accounting
 import pytest
 import torch
 
+from dpfunc import accounting
 from dpfunc.accounting import Accountant, calibrate_noise_multiplier, epsilon
 
 # A copy of the project's reference numbers (dp-accounting 0.6.0, PLD grid 1e-4).
@@ -308,3 +309,21 @@ def test_calibration_outside_search_range_raises():
     # even sigma = 1e6 (the top of the search range) gives epsilon ~ 0.15 > 1e-5.
     with pytest.raises(ValueError, match="target_epsilon=1e-05"):
         calibrate_noise_multiplier(1e-5, 1e-5, 1.0, 10**9, method="rdp")
+
+
+def test_gradient_sum_and_private_count_compose_to_one_gaussian():
+    """Full batch, one step: dp-accounting's composition of the two Gaussian mechanisms
+    equals one Gaussian mechanism with the combined noise multiplier."""
+    sigma, count_sigma, delta = 1.2, 3.0, 1e-5
+    combined = accounting.combined_noise_multiplier(sigma, count_sigma)
+    assert combined == pytest.approx((sigma**-2 + count_sigma**-2) ** -0.5)
+    composed = dp_accounting.ComposedDpEvent(
+        [dp_accounting.GaussianDpEvent(sigma), dp_accounting.GaussianDpEvent(count_sigma)]
+    )
+    pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    pld.compose(composed)
+    assert accounting.epsilon(combined, 1.0, 1, delta) == pytest.approx(
+        pld.get_epsilon(delta), rel=2e-3
+    )
+    with pytest.raises(ValueError, match="count_noise_multiplier must be a finite number > 0"):
+        accounting.combined_noise_multiplier(1.0, 0.0)

@@ -217,3 +217,35 @@ def test_add_remove_one_sensitivity_on_neighbouring_batches(clipping, clip_norm)
 def test_bad_arguments_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --------------------------------------------------------------------------- adaptive clipping
+
+
+def test_unclipped_count_counts_real_unscaled_examples_only():
+    norms = torch.tensor([0.5, 1.0, 2.0, math.nan, math.inf, 0.1], dtype=torch.float64)
+    mask = torch.tensor([1, 1, 1, 1, 1, 0])
+    assert float(dpfunc.clipping.unclipped_count(norms, 1.0)) == 3.0
+    # the masked row counts exactly like the removed one
+    with_mask = dpfunc.clipping.unclipped_count(norms, 1.0, mask)
+    assert float(with_mask) == float(dpfunc.clipping.unclipped_count(norms[:5], 1.0)) == 2.0
+
+
+@pytest.mark.parametrize("count_noise", [0.0, 5.0])
+def test_adaptive_clip_norm_converges_to_the_target_quantile(count_noise):
+    """Norms drawn from Exp(1): the 0.7 quantile is ln(1 / 0.3) = 1.204."""
+    generator = torch.Generator().manual_seed(0)  # public: a test
+    batch, target, clip = 200, 0.7, 0.05
+    for _ in range(400):
+        norms = -torch.log(torch.rand(batch, generator=generator, dtype=torch.float64))
+        count = dpfunc.clipping.unclipped_count(norms, clip)
+        noisy = count + count_noise * torch.randn((), generator=generator, dtype=torch.float64)
+        clip = dpfunc.clipping.adaptive_clip_norm(clip, noisy, batch, target, 0.2)
+    assert float(clip) == pytest.approx(math.log(1 / 0.3), rel=0.1)
+
+
+def test_adaptive_clip_norm_rejects_bad_settings():
+    with pytest.raises(ValueError, match="target_quantile must be a number in \\(0, 1\\)"):
+        dpfunc.clipping.adaptive_clip_norm(1.0, torch.tensor(1.0), 10.0, 1.0, 0.2)
+    with pytest.raises(ValueError, match="learning_rate must be a finite number > 0"):
+        dpfunc.clipping.adaptive_clip_norm(1.0, torch.tensor(1.0), 10.0, 0.5, 0.0)
