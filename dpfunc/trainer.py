@@ -215,6 +215,8 @@ class Trainer:
             seed = _distributed.shared_secret_seed() if self.distributed else secret_seed()
         self.seed = seed
         self.secure_noise = secure_noise
+        if secure_noise:  # without cryptography, fail here rather than at the first step
+            standard_normal_like({}, seed=self.seed, step=0, secure=True)
         self.epsilon_budget = epsilon_budget
         self.eval_fn = eval_fn
         self.progress = progress

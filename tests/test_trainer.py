@@ -223,6 +223,14 @@ def test_checkpoints_of_the_public_default_seed_era_are_refused(tmp_path):
         make().load(path)
 
 
+def test_secure_noise_without_cryptography_fails_at_construction(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers", None)
+    with pytest.raises(ImportError, match="dpfunc\\[secure\\]"):
+        make(secure_noise=True)
+
+
 def test_checkpoint_written_during_fit_resumes(tmp_path):
     path = tmp_path / "ck.pt"
     trainer = make(checkpoint_path=path, checkpoint_every=5)
