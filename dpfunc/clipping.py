@@ -142,7 +142,8 @@ def clip_factors(
     Args:
         norms: ``Tensor[B]`` from flat :func:`per_sample_norms`, or
             ``{group: Tensor[B]}`` from grouped norms.
-        clip_norm: the bound ``C > 0`` (``inf`` disables clipping). With
+        clip_norm: the bound ``C > 0`` (``inf`` disables clipping), or a
+            0-d tensor (adaptive clipping's current norm, flat only). With
             grouped norms, either ``{group: C_k}`` or one float ``C``, split
             equally as ``C / sqrt(num_groups)`` so the whole gradient is still
             bounded by ``C`` (see :func:`total_clip_norm`).
@@ -166,9 +167,10 @@ def clip_factors(
             g: clip_factors(n, thresholds[g], normalize=normalize, gamma=gamma)
             for g, n in norms.items()
         }
-    _check_clip_norm(clip_norm)
+    if not isinstance(clip_norm, Tensor):  # a tensor: adaptive clipping's current norm, > 0
+        _check_clip_norm(clip_norm)
     if normalize:
-        if math.isinf(clip_norm):
+        if not isinstance(clip_norm, Tensor) and math.isinf(clip_norm):
             raise ValueError("normalized clipping needs a finite clip_norm, got clip_norm=inf")
         check_number("gamma", gamma, low=0, low_open=True, high_open=True)
         factors = clip_norm / (norms + gamma)

@@ -508,14 +508,30 @@ class DistributedTrainStep(TrainStep):
         """
         return all_reduce_sum(summed, step=step, what="all_reduce of the clipped gradient sum")
 
-    def apply_reduced(self, state: TrainState, summed: Params, noise: Params) -> TrainState:
+    def apply_reduced(
+        self,
+        state: TrainState,
+        summed: Params,
+        noise: Params,
+        count: Tensor | None = None,
+        count_noise: Tensor | None = None,
+    ) -> TrainState:
         """``TrainStep.apply`` on an already all-reduced sum: noise once, average, update.
 
-        No collective, so it compiles with ``torch.compile(fullgraph=True)``.
+        With adaptive clipping ``count`` is the WHOLE logical batch's count
+        (from the gathered stats), noised once like the sum. No collective,
+        so it compiles with ``torch.compile(fullgraph=True)``.
         """
-        return TrainStep.apply(self, state, summed, noise)
+        return TrainStep.apply(self, state, summed, noise, count, count_noise)
 
-    def apply(self, state: TrainState, summed: Params, noise: Params) -> TrainState:
+    def apply(
+        self,
+        state: TrainState,
+        summed: Params,
+        noise: Params,
+        count: Tensor | None = None,
+        count_noise: Tensor | None = None,
+    ) -> TrainState:
         """All-reduces this rank's clipped sum, adds ``noise`` once, averages, updates.
 
         Args:
@@ -531,7 +547,7 @@ class DistributedTrainStep(TrainStep):
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
         reduced = self.all_reduce(summed, step=state.step)
-        return self.apply_reduced(state, reduced, noise)
+        return self.apply_reduced(state, reduced, noise, count, count_noise)
 
     def gather_stats(
         self, stats: ExampleStats, *, step: int | Tensor | None = None
@@ -540,16 +556,25 @@ class DistributedTrainStep(TrainStep):
         return gather_stats(stats, step=step)
 
     def __call__(
-        self, state: TrainState, batch: PyTree, mask: Tensor | None, noise: Params
+        self,
+        state: TrainState,
+        batch: PyTree,
+        mask: Tensor | None,
+        noise: Params,
+        count_noise: Tensor | None = None,
     ) -> tuple[TrainState, dict[str, Tensor]]:
         """One private step; each rank passes its own share in one micro-batch.
 
-        The metrics summarise the whole logical batch (all ranks' stats).
+        The metrics (and adaptive clipping's count) cover the whole logical
+        batch: all ranks' stats, gathered.
         """
         check_same_structure(noise, state.params, "noise", "params")
-        summed, stats = self.clip(state.params, batch, mask)
-        new_state = self.apply(state, summed, noise)
-        return new_state, summarize(self.gather_stats(stats, step=state.step))
+        summed, stats = self.clip(
+            state.params, batch, mask, state.clip_norm if self.adaptive else None
+        )
+        stats = self.gather_stats(stats, step=state.step)
+        count = self.unclipped_count(state, stats) if self.adaptive else None
+        return self.apply(state, summed, noise, count, count_noise), summarize(stats)
 
 
 def make_train_step(
@@ -563,6 +588,9 @@ def make_train_step(
     chunk_size: int | None = None,
     model: nn.Module | None = None,
     method: str = "auto",
+    target_quantile: float | None = None,
+    quantile_learning_rate: float = 0.2,
+    count_noise_multiplier: float | None = None,
 ) -> DistributedTrainStep:
     """:func:`dpfunc.make_train_step` for data-parallel training on a process group.
 
@@ -588,4 +616,7 @@ def make_train_step(
         chunk_size=chunk_size,
         model=model,
         method=method,
+        target_quantile=target_quantile,
+        quantile_learning_rate=quantile_learning_rate,
+        count_noise_multiplier=count_noise_multiplier,
     )

@@ -75,7 +75,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import check_number
+from .checks import check_choice, check_number
 from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_map, tree_normal_like
 
 SECRET_BITS = 256
@@ -115,7 +115,13 @@ def secret_seed() -> int:
     return secrets.randbits(SECRET_BITS)
 
 
-def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool = False) -> PyTree:
+STREAMS = ("noise", "count")
+"""Independent streams of one seed: the gradient noise, adaptive clipping's count noise."""
+
+
+def standard_normal_like(
+    params: PyTree, seed: int, step: int, *, secure: bool = False, stream: str = "noise"
+) -> PyTree:
     """Independent ``N(0, 1)`` draws shaped like ``params``, fixed by ``(seed, step)``.
 
     Leaves are drawn in optree's leaf order (dict keys sorted), each on its
@@ -131,7 +137,7 @@ def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool =
         step: a non-negative int, the step count.
         secure: draw from ChaCha20 with the floating-point defences of the
             module docstring. The stream: key
-            ``SHA-256("dpfunc.secure-noise:{seed}:{step}")``, nonce 16 zero
+            ``SHA-256("dpfunc.secure-{stream}:{seed}:{step}")``, nonce 16 zero
             bytes, the keystream read as little-endian 64-bit words and used
             leaf after leaf in leaf order. A leaf of ``n`` values takes
             ``n + n % 2`` words (``4 n`` for a float64 leaf): the first half
@@ -148,6 +154,9 @@ def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool =
             ``torch.randn`` on a CPU for float32 leaves, 5x for float64
             ones (``bench/noise.py``); CUDA leaves are drawn on the CPU and
             copied over.
+        stream: ``"noise"`` (the gradient noise) or ``"count"`` (adaptive
+            clipping's count noise): independent draws from one seed and
+            step, by domain separation of the key.
 
     Returns:
         A tree like ``params``: leaves in their own dtype by default,
@@ -175,6 +184,7 @@ def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool =
         raise ValueError(f"step must be a non-negative int, got step={step!r}")
     if not isinstance(secure, bool):
         raise ValueError(f"secure must be a bool, got secure={secure!r}")
+    check_choice("stream", stream, STREAMS)
     complex_leaves = [x.dtype for x in tree_leaves(params) if x.is_complex()]
     if complex_leaves:  # torch.randn splits the variance over the real and imaginary parts
         raise ValueError(
@@ -183,10 +193,10 @@ def standard_normal_like(params: PyTree, seed: int, step: int, *, secure: bool =
             "(torch.view_as_real) in the loss instead"
         )
     if secure:
-        return _secure_normal_like(params, seed, step)
+        return _secure_normal_like(params, seed, step, stream)
     leaves = tree_leaves(params)
     device = leaves[0].device if leaves else torch.device("cpu")
-    return tree_normal_like(params, keyed_generator("dpfunc.noise", seed, step, device))
+    return tree_normal_like(params, keyed_generator(f"dpfunc.{stream}", seed, step, device))
 
 
 _MT_WORDS = 624  # 32-bit words of the Mersenne Twister state
@@ -243,14 +253,14 @@ def _cpu_state_template() -> Tensor:
     return _TEMPLATE[0]
 
 
-def _secure_normal_like(params: PyTree, seed: int, step: int) -> PyTree:
+def _secure_normal_like(params: PyTree, seed: int, step: int, stream: str) -> PyTree:
     try:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
     except ImportError as error:
         raise ImportError(
             "secure=True needs the 'cryptography' package: pip install \"dpfunc[secure]\""
         ) from error
-    key = hashlib.sha256(f"dpfunc.secure-noise:{seed}:{step}".encode()).digest()
+    key = hashlib.sha256(f"dpfunc.secure-{stream}:{seed}:{step}".encode()).digest()
     keystream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
 
     def draw(leaf: Tensor) -> Tensor:

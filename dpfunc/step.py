@@ -30,10 +30,12 @@ from torch import Tensor, nn
 from . import optim
 from .checks import check_choice, check_int, check_number
 from .clipping import (
+    adaptive_clip_norm,
     clip_factors,
     clipped_sum,
     groups_by_module,
     per_sample_norms,
+    unclipped_count,
 )
 from .ghost import GhostClipper, ghost_clip
 from .noise import add_noise, average, check_expected_batch_size
@@ -48,6 +50,9 @@ class TrainState(NamedTuple):
     params: Params  # the model's trainable parameters
     opt_state: Any  # the optimizer's state
     step: Tensor  # shape (), int64: private steps taken so far
+    clip_norm: (
+        Tensor  # shape (), float64: the clip norm of the next step (adaptive clipping moves it)
+    )
 
 
 class ExampleStats(NamedTuple):
@@ -109,6 +114,9 @@ class TrainStep:
         chunk_size: int | None = None,
         model: nn.Module | None = None,
         method: str = "auto",
+        target_quantile: float | None = None,
+        quantile_learning_rate: float = 0.2,
+        count_noise_multiplier: float | None = None,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -135,6 +143,19 @@ class TrainStep:
         if chunk_size is not None:
             check_int("chunk_size", chunk_size, minimum=1)
         check_choice("method", method, METHODS)
+        if target_quantile is not None:
+            check_number("target_quantile", target_quantile, low=0, high=1, low_open=True,
+                         high_open=True)  # fmt: skip
+            check_number("quantile_learning_rate", quantile_learning_rate, low=0,
+                         low_open=True, high_open=True)  # fmt: skip
+            check_number("count_noise_multiplier", count_noise_multiplier, low=0,
+                         low_open=True, high_open=True)  # fmt: skip
+            if clipping != "flat" or math.isinf(clip_norm):
+                raise ValueError(
+                    "adaptive clipping (target_quantile) follows a quantile of the flat "
+                    "per-example norms from a finite starting clip_norm; it needs "
+                    f"clipping='flat', got clipping={clipping!r}, clip_norm={clip_norm!r}"
+                )
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         if method == "ghost" and model is None:
@@ -150,6 +171,11 @@ class TrainStep:
         self.clipping = clipping
         self.chunk_size = chunk_size
         self.method = method
+        self.target_quantile = target_quantile
+        self.quantile_learning_rate = float(quantile_learning_rate)
+        self.count_noise_multiplier = (
+            None if count_noise_multiplier is None else float(count_noise_multiplier)
+        )
         use_ghost = model is not None and method != "vmap"
         self._ghost = GhostClipper(model, loss_fn, method) if use_ghost else None
         # sensitivity of the clipped sum is clip_norm in every mode
@@ -157,16 +183,28 @@ class TrainStep:
 
     def init(self, params: Params) -> TrainState:
         """The state before the first step; ``params`` are not copied or changed."""
-        return TrainState(params, self.optimizer.init(params), torch.zeros((), dtype=torch.int64))
+        step = torch.zeros((), dtype=torch.int64)
+        clip_norm = torch.tensor(self.clip_norm, dtype=torch.float64)
+        return TrainState(params, self.optimizer.init(params), step, clip_norm)
+
+    @property
+    def adaptive(self) -> bool:
+        """Adaptive clipping is on: the clip norm lives in ``TrainState.clip_norm``."""
+        return self.target_quantile is not None
 
     def zeros(self, params: Params) -> Params:
         """An empty clipped sum, to start accumulating a logical batch."""
         return tree_zeros_like(params)
 
     def clip(
-        self, params: Params, batch: PyTree, mask: Tensor | None
+        self, params: Params, batch: PyTree, mask: Tensor | None, clip_norm: Tensor | None = None
     ) -> tuple[Params, ExampleStats]:
-        """The clipped sum of one micro-batch and its per-example stats."""
+        """The clipped sum of one micro-batch and its per-example stats.
+
+        ``clip_norm``: adaptive clipping's current norm (``state.clip_norm``);
+        ``None`` clips at the fixed ``clip_norm`` the step was built with.
+        """
+        clip = self.clip_norm if clip_norm is None else clip_norm
         size = batch_size(batch)
         if mask is None:
             mask = torch.ones(size, dtype=torch.bool)
@@ -191,7 +229,7 @@ class TrainStep:
                     batch,
                     mask,
                     clipping=self.clipping,
-                    clip_norm=self.clip_norm,
+                    clip_norm=clip,
                     chunk_size=self.chunk_size,
                 )
                 return summed, ExampleStats(losses.detach(), total, scaled, mask)
@@ -207,34 +245,82 @@ class TrainStep:
             summed = clipped_sum(grads, factors, mask, groups)
         else:
             total = per_sample_norms(grads)
-            factors = clip_factors(total, self.clip_norm, normalize=self.clipping == "normalized")
+            factors = clip_factors(total, clip, normalize=self.clipping == "normalized")
             scaled = factors < 1
             summed = clipped_sum(grads, factors, mask)
         return summed, ExampleStats(losses.detach(), total, scaled, mask)
 
     def accumulate(
-        self, summed: Params, params: Params, batch: PyTree, mask: Tensor | None
+        self,
+        summed: Params,
+        params: Params,
+        batch: PyTree,
+        mask: Tensor | None,
+        clip_norm: Tensor | None = None,
     ) -> tuple[Params, ExampleStats]:
-        """Adds one micro-batch's clipped sum to ``summed``."""
+        """Adds one micro-batch's clipped sum to ``summed`` (``clip_norm``: as for :meth:`clip`)."""
         check_same_structure(summed, params, "summed", "params")
-        micro, stats = self.clip(params, batch, mask)
+        micro, stats = self.clip(params, batch, mask, clip_norm)
         return tree_add(summed, micro), stats
 
-    def apply(self, state: TrainState, summed: Params, noise: Params) -> TrainState:
-        """Noises the logical batch's clipped sum once, averages, and updates."""
+    def unclipped_count(self, state: TrainState, stats: ExampleStats) -> Tensor:
+        """The count of unclipped examples in a logical batch: adaptive clipping's statistic."""
+        return unclipped_count(stats.norm, state.clip_norm, stats.mask)
+
+    def apply(
+        self,
+        state: TrainState,
+        summed: Params,
+        noise: Params,
+        count: Tensor | None = None,
+        count_noise: Tensor | None = None,
+    ) -> TrainState:
+        """Noises the logical batch's clipped sum once, averages, and updates.
+
+        With adaptive clipping, also releases ``count`` (from
+        :meth:`unclipped_count`) with noise ``count_noise_multiplier *
+        count_noise`` (``count_noise``: a standard normal 0-d tensor from
+        ``standard_normal_like(..., stream="count")``) and moves
+        ``state.clip_norm`` by :func:`dpfunc.clipping.adaptive_clip_norm`.
+        """
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
-        private = average(add_noise(summed, noise, self.noise_std), self.expected_batch_size)
+        clip_norm = state.clip_norm
+        std = self.noise_std
+        if self.adaptive:
+            if count is None or count_noise is None:
+                raise ValueError(
+                    "adaptive clipping releases the unclipped count with its own noise: pass "
+                    "count=step.unclipped_count(state, stats) and count_noise"
+                )
+            std = self.noise_multiplier * state.clip_norm
+            noisy_count = count + self.count_noise_multiplier * count_noise
+            clip_norm = adaptive_clip_norm(
+                state.clip_norm,
+                noisy_count,
+                self.expected_batch_size,
+                self.target_quantile,
+                self.quantile_learning_rate,
+            )
+        private = average(add_noise(summed, noise, std), self.expected_batch_size)
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
-        return TrainState(optim.apply_updates(state.params, updates), opt_state, state.step + 1)
+        params = optim.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1, clip_norm)
 
     def __call__(
-        self, state: TrainState, batch: PyTree, mask: Tensor | None, noise: Params
+        self,
+        state: TrainState,
+        batch: PyTree,
+        mask: Tensor | None,
+        noise: Params,
+        count_noise: Tensor | None = None,
     ) -> tuple[TrainState, dict[str, Tensor]]:
         """One private step on a logical batch held in one micro-batch."""
         check_same_structure(noise, state.params, "noise", "params")
-        summed, stats = self.clip(state.params, batch, mask)
-        return self.apply(state, summed, noise), summarize(stats)
+        clip_norm = state.clip_norm if self.adaptive else None
+        summed, stats = self.clip(state.params, batch, mask, clip_norm)
+        count = self.unclipped_count(state, stats) if self.adaptive else None
+        return self.apply(state, summed, noise, count, count_noise), summarize(stats)
 
 
 def make_train_step(
@@ -248,6 +334,9 @@ def make_train_step(
     chunk_size: int | None = None,
     model: nn.Module | None = None,
     method: str = "auto",
+    target_quantile: float | None = None,
+    quantile_learning_rate: float = 0.2,
+    count_noise_multiplier: float | None = None,
 ) -> TrainStep:
     """Builds the DP-SGD step (Abadi et al. 2016).
 
@@ -294,6 +383,18 @@ def make_train_step(
             back to vmap; a ``UserWarning`` names the reasons once per step.
             All three clipping modes are supported and the result equals the
             vmap path's.
+        target_quantile: ``None`` (fixed clipping) or ``gamma`` in (0, 1):
+            adaptive clipping (Andrew et al. 2021). ``state.clip_norm`` starts
+            at ``clip_norm`` and after each step moves by
+            ``exp(-quantile_learning_rate * (noisy_count / expected_batch_size
+            - gamma))``, where ``noisy_count`` is the logical batch's count of
+            unclipped examples plus ``count_noise_multiplier`` times a standard
+            normal (pass ``count_noise`` to ``step`` / ``apply``). Flat clipping
+            only. The pair of releases is accounted as one Gaussian mechanism
+            with :func:`dpfunc.accounting.combined_noise_multiplier`.
+        quantile_learning_rate: ``eta > 0`` of the geometric update.
+        count_noise_multiplier: the standard deviation of the count's noise
+            (its sensitivity is 1); required with ``target_quantile``.
 
     Returns:
         A :class:`TrainStep` ``step`` with ``step.init(params) -> state`` and
@@ -324,4 +425,7 @@ def make_train_step(
         chunk_size=chunk_size,
         model=model,
         method=method,
+        target_quantile=target_quantile,
+        quantile_learning_rate=quantile_learning_rate,
+        count_noise_multiplier=count_noise_multiplier,
     )

@@ -43,7 +43,7 @@ from tqdm.auto import tqdm
 
 from . import distributed as _distributed
 from . import optim
-from .accounting import Accountant, calibrate_noise_multiplier
+from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
 from .checks import check_int, check_number
 from .data import PoissonBatches, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
@@ -78,6 +78,19 @@ class Trainer:
             Default: the expected batch size plus three standard deviations
             of the Poisson batch size, so most batches fit in one.
         clipping: ``"flat"``, ``"per_layer"`` or ``"normalized"``.
+        target_quantile: ``None`` (fixed clipping) or a quantile in (0, 1):
+            adaptive clipping (Andrew et al. 2021; flat clipping only), the
+            clip norm starting at ``clip_norm`` and following that quantile
+            of the per-example norms (see :func:`dpfunc.make_train_step`).
+            ``trainer.clip_norm`` is the current norm; history records carry it.
+        quantile_learning_rate: the geometric update's step size.
+        count_noise_multiplier: the standard deviation of the noise on the
+            count of unclipped examples (sensitivity 1). Default
+            ``expected_batch_size / 20``. Each step then releases the sum and
+            the count, accounted together as one Gaussian mechanism with
+            :func:`dpfunc.accounting.combined_noise_multiplier`; with
+            ``target_epsilon``, the calibration solves for that combined
+            multiplier and gives the gradient noise what the count leaves.
         accounting: ``"pld"`` (default, tight) or ``"rdp"``.
         epsilon_budget: stop before a step would make epsilon exceed this.
         eval_fn: ``eval_fn(params) -> dict[str, float]`` called after each
@@ -139,6 +152,9 @@ class Trainer:
         delta: float | None = None,
         physical_batch_size: int | None = None,
         clipping: str = "flat",
+        target_quantile: float | None = None,
+        quantile_learning_rate: float = 0.2,
+        count_noise_multiplier: float | None = None,
         accounting: str = "pld",
         epsilon_budget: float | None = None,
         eval_fn: Callable[[Params], dict[str, float]] | None = None,
@@ -202,15 +218,32 @@ class Trainer:
         self.steps_per_epoch = max(1, round(n / expected_batch_size))
         self.total_steps = max(1, round(epochs * self.steps_per_epoch))
         self.delta = delta
+        if target_quantile is not None and count_noise_multiplier is None:
+            count_noise_multiplier = expected_batch_size / 20  # Andrew et al. 2021's suggestion
+        if target_quantile is not None:
+            check_number("count_noise_multiplier", count_noise_multiplier, low=0, low_open=True,
+                         high_open=True)  # fmt: skip
         if target_epsilon is not None:
-            noise_multiplier = calibrate_noise_multiplier(
+            accounted = calibrate_noise_multiplier(
                 target_epsilon, delta, self.sample_rate, self.total_steps, method=accounting
             )
+            noise_multiplier = accounted
+            if target_quantile is not None:  # the count takes its share of the budget
+                if not count_noise_multiplier > accounted:
+                    raise ValueError(
+                        f"target_epsilon={target_epsilon!r} needs a combined noise multiplier "
+                        f"of {accounted:.4g}, which count_noise_multiplier="
+                        f"{count_noise_multiplier!r} alone does not leave room for; raise it"
+                    )
+                noise_multiplier = (accounted**-2 - count_noise_multiplier**-2) ** -0.5
         self.noise_multiplier = float(noise_multiplier)
+        self.accounted_noise_multiplier = (
+            self.noise_multiplier
+            if target_quantile is None
+            else combined_noise_multiplier(self.noise_multiplier, count_noise_multiplier)
+        )
         self._adopts_seed = seed is None  # may take a loaded checkpoint's secret seed
-        self._seed_secret = (
-            seed is None
-        )  # the seed came from the OS CSPRNG, here or in a checkpoint
+        self._seed_secret = seed is None  # drawn from the OS CSPRNG, here or by a loaded run
         if seed is None:
             seed = _distributed.shared_secret_seed() if self.distributed else secret_seed()
         self.seed = seed
@@ -231,6 +264,7 @@ class Trainer:
                     "noise_multiplier": self.noise_multiplier,
                     "clip_norm": clip_norm,
                     "clipping": clipping,
+                    "adaptive": (target_quantile, quantile_learning_rate, count_noise_multiplier),
                     "seed": seed,
                     "secure_noise": secure_noise,
                     "expected_batch_size": expected_batch_size,
@@ -254,6 +288,9 @@ class Trainer:
             clipping=clipping,
             chunk_size=chunk_size,
             model=model,
+            target_quantile=target_quantile,
+            quantile_learning_rate=quantile_learning_rate,
+            count_noise_multiplier=count_noise_multiplier,
         )
         self._accumulate = self.step_fn.accumulate
         # distributed: the all-reduce runs eagerly between the compiled pieces
@@ -278,6 +315,11 @@ class Trainer:
     @property
     def params(self) -> Params:
         return self.state.params
+
+    @property
+    def clip_norm(self) -> float:
+        """The clip norm of the next step (it moves with adaptive clipping)."""
+        return float(self.state.clip_norm)
 
     @property
     def steps_done(self) -> int:
@@ -310,17 +352,26 @@ class Trainer:
             )
         micro_batches, _ = self.batches.logical_batch(t)
         summed, stats = self.step_fn.zeros(self.state.params), []
+        adaptive = self.step_fn.adaptive
+        clip_norm = self.state.clip_norm if adaptive else None
         for batch, mask in micro_batches:
-            summed, s = self._accumulate(summed, self.state.params, batch, mask)
+            summed, s = self._accumulate(summed, self.state.params, batch, mask, clip_norm)
             stats.append(s)
         stats = ExampleStats.cat(stats)
         if self.distributed:  # this rank's share -> the whole logical batch
             summed = self.step_fn.all_reduce(summed, step=t)
             stats = self.step_fn.gather_stats(stats, step=t)
         noise = self._noise(t)  # the same on every rank, added once to the global sum
+        count = count_noise = None
+        if adaptive:  # the whole logical batch's count, noised once from its own stream
+            count = self.step_fn.unclipped_count(self.state, stats)
+            zero = {"count": torch.zeros((), dtype=torch.float64)}
+            count_noise = standard_normal_like(
+                zero, seed=self.seed, step=t, secure=self.secure_noise, stream="count"
+            )["count"]
         # accounted before the release: an interruption can only over-count
-        self.accountant.step(self.noise_multiplier, self.sample_rate)
-        self.state = self._apply(self.state, summed, noise)
+        self.accountant.step(self.accounted_noise_multiplier, self.sample_rate)
+        self.state = self._apply(self.state, summed, noise, count, count_noise)
         return {k: float(v) for k, v in summarize(stats).items()}
 
     def _noise(self, t: int) -> Params:
@@ -398,6 +449,7 @@ class Trainer:
             "steps": done,
             "loss": loss,
             "epsilon": self.epsilon(),
+            "clip_norm": self.clip_norm,
         }
         if self.eval_fn is not None:
             for key, value in self.eval_fn(self.state.params).items():
@@ -431,7 +483,7 @@ class Trainer:
             if steps == 0:
                 return True
             trial = Accountant(method=self.accountant.method)
-            trial.step(self.noise_multiplier, self.sample_rate, steps)
+            trial.step(self.accounted_noise_multiplier, self.sample_rate, steps)
             return trial.epsilon(self.delta) <= self.epsilon_budget
 
         if within(high):
@@ -450,6 +502,9 @@ class Trainer:
             "noise_multiplier": self.noise_multiplier,
             "clip_norm": self.step_fn.clip_norm,
             "clipping": self.step_fn.clipping,
+            "target_quantile": self.step_fn.target_quantile,
+            "quantile_learning_rate": self.step_fn.quantile_learning_rate,
+            "count_noise_multiplier": self.step_fn.count_noise_multiplier,
             "seed": self.seed,
             "secure_noise": self.secure_noise,
             "accounting": self.accountant.method,

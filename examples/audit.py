@@ -74,9 +74,8 @@ class RealisedBatchStep(dpfunc.TrainStep):
         updates, opt_state = self.optimizer.update(
             dpfunc.average(noisy, self.count), state.opt_state, state.params
         )
-        return dpfunc.TrainState(
-            optim.apply_updates(state.params, updates), opt_state, state.step + 1
-        )
+        params = optim.apply_updates(state.params, updates)
+        return dpfunc.TrainState(params, opt_state, state.step + 1, state.clip_norm)
 
 
 def bound(canary, step, runs, *, seed=None, attacker_seed=None):

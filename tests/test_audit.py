@@ -247,7 +247,7 @@ class RealisedBatchSizeStep(dpfunc.TrainStep):
         private = dpfunc.average(noisy, float(self.count))
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        return dpfunc.TrainState(params, opt_state, state.step + 1)
+        return dpfunc.TrainState(params, opt_state, state.step + 1, state.clip_norm)
 
 
 def test_realised_batch_size_denominator_is_caught():
@@ -331,3 +331,21 @@ def test_public_seed_is_caught():
     scores = audit.canary_scores(train, canary, 4, keep_size=True)
     bound = epsilon_lower_bound(scores.scores_in, scores.scores_out, delta=DELTA)
     assert bound > 2 * claims[0]
+
+
+def test_adaptive_clipping_trainer_audits_below_its_epsilon():
+    """The clip norm moves with a noised count; the sum and the count are accounted together."""
+    canary = audit.GradientCanary(500)
+    claims = []
+
+    def train(dataset):
+        trainer = trainer_for(
+            canary, dataset, noise_multiplier=1.0, target_quantile=0.5, count_noise_multiplier=5.0
+        )
+        trainer.fit()
+        claims.append(trainer.epsilon())
+        return trainer.params
+
+    scores = audit.canary_scores(train, canary, 8, keep_size=True)
+    bound = epsilon_lower_bound(scores.scores_in, scores.scores_out, delta=DELTA)
+    assert len(set(claims)) == 1 and bound <= claims[0]

@@ -318,3 +318,31 @@ def test_bad_call_raises():
     )
     with pytest.raises(ValueError, match="0-d tensor"):
         bad(state, (x, y), torch.ones(4), noise)
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_adaptive_clipping_step_moves_the_clip_norm_geometrically(method):
+    """clip at state.clip_norm, count the unclipped, noise the count, update C."""
+    model, params, loss_fn = classifier()
+    x, y = data(8)
+    args = dict(clip_norm=0.05, noise_multiplier=1.0, expected_batch_size=8.0)
+    adaptive = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=0.1), model=model, method=method, target_quantile=0.5,
+        quantile_learning_rate=0.3, count_noise_multiplier=2.0, **args,
+    )  # fmt: skip
+    fixed = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), **args)
+    state = adaptive.init(params)
+    assert state.clip_norm.dtype == torch.float64 and float(state.clip_norm) == 0.05
+    noise = dpfunc.standard_normal_like(params, seed=3, step=0)  # public: a test
+    count_noise = torch.tensor(0.4, dtype=torch.float64)
+    new, _ = adaptive(state, (x, y), torch.ones(8), noise, count_noise)
+    norms = dpfunc.per_sample_norms(dpfunc.per_sample_grads(loss_fn, params, (x, y)))
+    count = float((norms <= 0.05).sum())
+    expected = 0.05 * math.exp(-0.3 * ((count + 2.0 * 0.4) / 8.0 - 0.5))
+    assert float(new.clip_norm) == pytest.approx(expected, rel=1e-12)
+    # the first step clips at the starting norm: the same update as fixed clipping
+    want, _ = fixed(fixed.init(params), (x, y), torch.ones(8), noise)
+    for k in params:
+        torch.testing.assert_close(new.params[k], want.params[k], rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="pass count=step.unclipped_count"):
+        adaptive.apply(state, adaptive.zeros(params), noise)

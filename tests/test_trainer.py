@@ -348,3 +348,69 @@ def test_progress_bar_shows_loss_epsilon_and_throughput(capsys):
     err = capsys.readouterr().err
     assert "eps=" in err and "loss=" in err and "ex_s=" in err
     assert math.isfinite(trainer.epsilon())
+
+
+def test_adaptive_clipping_follows_the_quantile_and_accounts_the_count():
+    trainer = make(
+        target_quantile=0.5,
+        quantile_learning_rate=1.0,
+        clip_norm=1e-3,
+        epochs=3,
+        count_noise_multiplier=2.0,
+    )
+    history = trainer.fit()
+    combined = accounting.combined_noise_multiplier(0.8, 2.0)
+    assert trainer.accounted_noise_multiplier == pytest.approx(combined)
+    assert history[-1]["epsilon"] == pytest.approx(
+        accounting.epsilon(combined, 20 / 120, trainer.total_steps, 1e-4, method="rdp"), rel=1e-9
+    )
+    assert history[0]["clip_norm"] > 1e-3 and trainer.clip_norm > 1e-2  # grew from far below
+    assert history[-1]["clip_norm"] == trainer.clip_norm
+
+
+def test_adaptive_clipping_calibrates_the_combined_noise_and_resumes(tmp_path):
+    assert make(target_quantile=0.5).step_fn.count_noise_multiplier == 20 / 20  # the default
+    settings = dict(
+        target_quantile=0.5,
+        count_noise_multiplier=5.0,
+        noise_multiplier=None,
+        target_epsilon=3.0,
+        epochs=2,
+    )
+    trainer = make(**settings)
+    sigma_c = trainer.accounted_noise_multiplier
+    assert sigma_c == pytest.approx(
+        accounting.combined_noise_multiplier(trainer.noise_multiplier, 5.0)
+    )
+    assert sigma_c < trainer.noise_multiplier  # the count takes its share
+    whole = make(**settings, seed=trainer.seed)
+    whole.fit()
+    trainer.fit(max_steps=5)
+    trainer.save(tmp_path / "ck.pt")
+    resumed = make(**settings)
+    resumed.load(tmp_path / "ck.pt")
+    resumed.fit()
+    assert resumed.clip_norm == whole.clip_norm
+    assert all(torch.equal(resumed.params[k], whole.params[k]) for k in whole.params)
+    assert whole.epsilon() <= 3.0
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(target_quantile=0.5, clipping="per_layer"), "adaptive clipping .* clipping='flat'"),
+        (dict(target_quantile=1.0), "target_quantile must be a number in \\(0, 1\\)"),
+        (
+            dict(target_quantile=0.5, count_noise_multiplier=0.0),
+            "count_noise_multiplier must be a finite number > 0",
+        ),
+        (
+            dict(target_quantile=0.5, noise_multiplier=None, target_epsilon=0.5,
+                 count_noise_multiplier=0.5),
+            "raise it",
+        ),
+    ],
+)  # fmt: skip
+def test_adaptive_clipping_rejects_what_it_cannot_do(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        make(**overrides)
