@@ -221,6 +221,8 @@ def trainer_resume(rank: int, outdir: str) -> dict:
     except ValueError as error:
         errors["seed"] = str(error)
     drawn = make_trainer(seed=None)  # rank 0 draws the secret and broadcasts it
+    adaptive = make_trainer(target_quantile=0.5, count_noise_multiplier=3.0, clip_norm=0.05)
+    adaptive.fit(max_steps=3)  # the count comes from every rank's examples, noised once
     try:  # the checkpoint's seed is a fixed one: a seed=None trainer must not adopt it
         make_trainer(seed=None).load(checkpoint)
     except ValueError as error:
@@ -238,6 +240,7 @@ def trainer_resume(rank: int, outdir: str) -> dict:
         "errors": errors,
         "fresh_steps": fresh.steps_done,
         "drawn_seed": drawn.seed,
+        "adaptive": (adaptive.params, adaptive.clip_norm),
     }
 
 
@@ -420,6 +423,16 @@ def test_trainer_resumes_a_two_rank_run_bit_identically(main_run):
         assert "fixed seed, which is not a secret" in resumed[r]["errors"]["adopt"]
         assert resumed[r]["fresh_steps"] == 0  # a failed load changes nothing
     assert resumed[0]["drawn_seed"] == resumed[1]["drawn_seed"] != TRAINER["seed"]
+    alone = make_trainer(
+        distributed=False, target_quantile=0.5, count_noise_multiplier=3.0, clip_norm=0.05
+    )
+    alone.fit(max_steps=3)
+    assert alone.clip_norm != 0.05
+    for r in range(2):
+        params, clip_norm = resumed[r]["adaptive"]
+        assert clip_norm == pytest.approx(alone.clip_norm, rel=1e-12)
+        for k in params:
+            torch.testing.assert_close(params[k], alone.params[k], rtol=0, atol=1e-6)
     assert resumed[0]["drawn_seed"].bit_length() > 200
     assert "could not be loaded on ranks [1]" in resumed[0]["errors"]["load"]
     assert (
