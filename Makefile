@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
-	$(PY) -m pip install --quiet -e ".[test,bench,examples,secure]"
+	$(PY) -m pip install --quiet -e ".[test,bench,examples,secure,hf]"
 	touch $(STAMP)
 
 test: install

@@ -62,13 +62,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.func import grad_and_value, vmap
+from torch.func import grad_and_value
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 
 from . import recurrent
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms
-from .per_sample import per_sample_grads_and_losses
+from .per_sample import per_sample_grads_and_losses, vmap_over_examples
 from .tree import Params, PyTree
 
 __all__ = [
@@ -789,11 +789,10 @@ def ghost_clip(
             )
         return loss, (loss, run.inputs)
 
-    per_example = vmap(
+    per_example = vmap_over_examples(
         grad_and_value(example_loss, argnums=(0, 1), has_aux=True),
         in_dims=(None, None, None, 0),
         chunk_size=chunk_size,
-        randomness="different",
     )
     (out_grads, other_grads), (_, (losses, inputs)) = per_example(probes, other, covered, batch)
 

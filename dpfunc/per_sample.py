@@ -7,13 +7,24 @@ there is no batch-size rescaling and no ``loss_reduction`` to get wrong.
 Because the loss is any function ``torch.func`` can differentiate, losses
 that contain their own derivatives (a Laplacian, a Hessian trace, a gradient
 penalty) compose.
+
+Under ``vmap`` the loss runs once for all examples, so Python code inside it
+cannot branch on one example's values (``if mask.all():``, ``.item()``).
+:func:`vmap_over_examples` says so in plain words when that happens, and
+tells Hugging Face transformers that it is being traced: transformers checks
+``padding_mask.all()`` to skip building an attention mask unless its
+``is_tracing()`` says dynamo, jit or fx is tracing, and it knows nothing of
+vmap. Its tracing path builds the mask always, which gives the same outputs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
 
@@ -110,15 +121,73 @@ def _grads_and_losses(loss_fn, params, batch, chunk_size, has_aux):
             )
         return (loss, aux) if has_aux else loss
 
-    per_example = vmap(
-        grad_and_value(example_loss, has_aux=has_aux),
-        in_dims=(None, 0),
-        chunk_size=chunk_size,
-        randomness="different",
+    per_example = vmap_over_examples(
+        grad_and_value(example_loss, has_aux=has_aux), in_dims=(None, 0), chunk_size=chunk_size
     )
     grads, value = per_example(params, batch)
     losses, aux = value if has_aux else (value, None)
     return grads, losses, aux
 
 
-__all__ = ["per_sample_grads", "per_sample_grads_and_losses", "batch_size"]
+def vmap_over_examples(fn: Callable, *, in_dims: tuple, chunk_size: int | None) -> Callable:
+    """``vmap(fn)`` over the examples, as every dpfunc path runs the user's loss.
+
+    Random operations draw independently per example (``randomness=
+    "different"``). While it runs eagerly, Hugging Face transformers' tracing
+    guard answers yes (see the module docstring), so its models take their
+    trace-safe path with padding masks. vmap's error for a branch on an
+    example's value becomes a ``RuntimeError`` that names the cause and the
+    way out.
+    """
+    mapped = vmap(fn, in_dims=in_dims, chunk_size=chunk_size, randomness="different")
+
+    def run(*args):
+        if torch.compiler.is_compiling():  # dynamo traces the loss: libraries see that
+            return mapped(*args)
+        with _libraries_see_tracing():
+            try:
+                return mapped(*args)
+            except RuntimeError as error:
+                if "data-dependent control flow" not in str(error):
+                    raise
+                raise RuntimeError(DATA_DEPENDENT) from error
+
+    return run
+
+
+DATA_DEPENDENT = (
+    "loss_fn branches on a value of one example (a Python `if`, `bool()`, `.item()` or "
+    "`.tolist()` on a tensor that comes from the example, e.g. `if mask.all():`). dpfunc "
+    "runs loss_fn on all examples at once with torch.func.vmap, where one Python branch "
+    "cannot follow each example's values. Write the branch as tensor code (torch.where, "
+    "a multiplication by a mask, torch.cond), or decide it outside loss_fn and pass the "
+    "result in with the example. (Hugging Face transformers' own mask checks are handled "
+    "by dpfunc.) vmap's message follows in the cause above."
+)
+
+
+def _trace_safe() -> bool:
+    return True
+
+
+@contextmanager
+def _libraries_see_tracing() -> Iterator[None]:
+    """Hugging Face transformers' ``is_tracing()`` answers ``True`` inside this context.
+
+    ``is_tracing`` is imported by name into every transformers module, so its
+    global ``is_jit_tracing`` (which only ``is_tracing`` calls) is swapped in
+    the one module that defines it, and restored on exit.
+    """
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "is_jit_tracing", None)
+    if original is None:
+        yield
+        return
+    utils.is_jit_tracing = _trace_safe
+    try:
+        yield
+    finally:
+        utils.is_jit_tracing = original
+
+
+__all__ = ["per_sample_grads", "per_sample_grads_and_losses", "batch_size", "vmap_over_examples"]

@@ -1,0 +1,131 @@
+"""Hugging Face models (transformers, peft) under dpfunc, built from tiny configs.
+
+Per-example gradients with padding masks equal a batch-size-1 autograd loop
+in float64, for an encoder classifier, two decoder language models (padding
+labelled -100) and a LoRA adapter.
+"""
+
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.func import functional_call
+
+import dpfunc
+
+B, T, VOCAB = 4, 10, 50
+
+
+def bert():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, num_labels=3,
+    )  # fmt: skip
+    return transformers.BertForSequenceClassification(config)
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def llama():
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2_lora():
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True)
+    model = peft.get_peft_model(gpt2(), config)
+    for name, p in model.named_parameters():  # B starts at 0: move it so A's gradient is not 0
+        if "lora_B" in name:
+            p.data.normal_()
+    return model
+
+
+def padded_batch():
+    ids = torch.randint(1, VOCAB, (B, T))
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 6:] = 0  # right padding
+    mask[2, 3:] = 0
+    mask[3, :2] = 0  # left padding
+    labels = torch.where(mask.bool(), ids, -100)
+    return ids, mask, labels
+
+
+def classify(call, example):
+    ids, mask, labels = example
+    logits = call(input_ids=ids[None], attention_mask=mask[None]).logits
+    return F.cross_entropy(logits, (labels[-1] % 3)[None].clamp(min=0))
+
+
+def language_model(call, example):
+    ids, mask, labels = example
+    return call(input_ids=ids[None], attention_mask=mask[None], labels=labels[None]).loss
+
+
+@pytest.mark.parametrize(
+    "build, forward",
+    [
+        (bert, classify),
+        (gpt2, language_model),
+        (llama, language_model),
+        (gpt2_lora, language_model),
+    ],  # fmt: skip
+    ids=["bert", "gpt2", "llama", "gpt2-lora"],
+)
+def test_padded_batches_match_autograd_loop(build, forward):
+    model = build().double().eval()
+    batch = padded_batch()
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        return forward(lambda **kw: functional_call(model, (p, buffers), (), kw), example)
+
+    grads = dpfunc.per_sample_grads(loss_fn, params, batch)
+    trainable = dict(model.named_parameters())
+    for i in range(B):
+        example = tuple(t[i] for t in batch)
+        loss = forward(lambda **kw: model(**kw), example)
+        expected = torch.autograd.grad(loss, [trainable[n] for n in params], allow_unused=True)
+        for (name, got), want in zip(grads.items(), expected):
+            want = torch.zeros_like(got[i]) if want is None else want
+            torch.testing.assert_close(got[i], want, rtol=1e-9, atol=1e-12, msg=name)
+    if build is gpt2_lora:
+        assert all("lora_" in name for name in params)
+
+
+def test_transformers_guard_is_restored():
+    from transformers.utils import import_utils
+
+    before = import_utils.is_jit_tracing
+    model = bert().eval()
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        return classify(lambda **kw: functional_call(model, (p, buffers), (), kw), example)
+
+    dpfunc.per_sample_grads(loss_fn, params, padded_batch())
+    assert import_utils.is_jit_tracing is before
+    assert not import_utils.is_tracing()
+
+
+def test_branch_on_an_example_names_the_cause_and_the_way_out():
+    w = {"w": torch.ones(3)}
+
+    def loss_fn(p, x):
+        if (x > 0).all():  # a Python branch on the example's values
+            return (p["w"] * x).sum()
+        return (p["w"] * x).square().sum()
+
+    with pytest.raises(RuntimeError, match="branches on a value of one example") as error:
+        dpfunc.per_sample_grads(loss_fn, w, torch.randn(4, 3))
+    assert "torch.where" in str(error.value)
+    assert "data-dependent" in str(error.value.__cause__)
