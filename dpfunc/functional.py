@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from . import recurrent
+from .ghost import recurrent
 from .tree import Params
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)

@@ -187,6 +187,37 @@ class TrainStep:
         clip_norm = torch.tensor(self.clip_norm, dtype=torch.float64)
         return TrainState(params, self.optimizer.init(params), step, clip_norm)
 
+    def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
+        """How each trainable parameter is clipped for batches shaped like ``batch``.
+
+        Returns ``{name: "ghost"}`` for a parameter whose per-example norm and
+        clipped sum come from ghost clipping, or ``{name: "vmap: <why>"}`` for
+        one whose per-example gradient is materialised by vmap, with the
+        reason (no rule for its layer, a use the planner cannot follow, a cost
+        choice of ``method="auto"``). Eagerly with ``method="auto"`` this is
+        the plan after the one-time timing of ghost against vmap, which runs
+        here if the step has not yet seen this batch shape.
+
+        >>> import dpfunc, torch
+        >>> from torch.func import functional_call
+        >>> model = torch.nn.Linear(3, 1)
+        >>> params, buffers = dpfunc.functionalize(model)
+        >>> def loss_fn(p, x):
+        ...     return functional_call(model, (p, buffers), (x[None],)).sum()
+        >>> step = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0,
+        ...     noise_multiplier=1.0, expected_batch_size=8, model=model, method="ghost")
+        >>> step.explain(params, torch.randn(8, 3))
+        {'weight': 'ghost', 'bias': 'ghost'}
+        """
+        if self._ghost is None:
+            why = (
+                "vmap: method='vmap'"
+                if self.method == "vmap"
+                else "vmap: ghost clipping needs model=, the nn.Module that loss_fn calls"
+            )
+            return dict.fromkeys(params, why)
+        return self._ghost.plan(params, batch).explain(params)
+
     @property
     def adaptive(self) -> bool:
         """Adaptive clipping is on: the clip norm lives in ``TrainState.clip_norm``."""

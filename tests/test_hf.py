@@ -5,6 +5,9 @@ in float64, for an encoder classifier, two decoder language models (padding
 labelled -100) and a LoRA adapter.
 """
 
+import math
+import warnings
+
 import peft
 import pytest
 import torch
@@ -71,16 +74,12 @@ def language_model(call, example):
     return call(input_ids=ids[None], attention_mask=mask[None], labels=labels[None]).loss
 
 
-@pytest.mark.parametrize(
-    "build, forward",
-    [
-        (bert, classify),
-        (gpt2, language_model),
-        (llama, language_model),
-        (gpt2_lora, language_model),
-    ],  # fmt: skip
-    ids=["bert", "gpt2", "llama", "gpt2-lora"],
-)
+CASES = [(bert, classify), (gpt2, language_model), (llama, language_model),
+         (gpt2_lora, language_model)]  # fmt: skip
+IDS = ["bert", "gpt2", "llama", "gpt2-lora"]
+
+
+@pytest.mark.parametrize("build, forward", CASES, ids=IDS)
 def test_padded_batches_match_autograd_loop(build, forward):
     model = build().double().eval()
     batch = padded_batch()
@@ -129,3 +128,37 @@ def test_branch_on_an_example_names_the_cause_and_the_way_out():
         dpfunc.per_sample_grads(loss_fn, w, torch.randn(4, 3))
     assert "torch.where" in str(error.value)
     assert "data-dependent" in str(error.value.__cause__)
+
+
+@pytest.mark.parametrize("build, forward", CASES, ids=IDS)
+def test_every_parameter_is_ghosted_and_equals_vmap(build, forward):
+    """BERT, GPT-2 (tied input and output embeddings), Llama and LoRA: the ghost pass
+    covers every trainable parameter and its clipped sum and norms equal vmap's."""
+    model = build().double().eval()
+    batch = padded_batch()
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        return forward(lambda **kw: functional_call(model, (p, buffers), (), kw), example)
+
+    def step(method, clip_norm):
+        return dpfunc.make_train_step(
+            loss_fn, dpfunc.optim.sgd(lr=1.0), clip_norm=clip_norm, noise_multiplier=0.0,
+            expected_batch_size=B, model=model, method=method,
+        )  # fmt: skip
+
+    mask = torch.tensor([True, True, True, False])
+    norms = step("vmap", math.inf).clip(params, batch, mask)[1].norm[:3].sort().values
+    clip_norm = float(norms[:2].mean())  # clips the largest two of three real examples
+    vmap_step, ghost_step = step("vmap", clip_norm), step("ghost", clip_norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback warning
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        assert set(ghost_step.explain(params, batch).values()) == {"ghost"}
+        got, got_stats = ghost_step.clip(params, batch, mask)
+    want, want_stats = vmap_step.clip(params, batch, mask)
+    assert int(want_stats.scaled[:3].sum()) == 2  # clipping is exercised, and so is none
+    torch.testing.assert_close(got_stats.norm, want_stats.norm, rtol=1e-8, atol=1e-12)
+    for name in params:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-8, atol=1e-12, msg=name)
+    assert vmap_step.explain(params, batch)[next(iter(params))] == "vmap: method='vmap'"

@@ -1,4 +1,4 @@
-"""Recurrent layers unrolled into their cell operations, for ghost clipping.
+"""``nn.RNN``, ``nn.GRU``, ``nn.LSTM`` (without ``proj_size``): unrolled into their cell operations.
 
 ``nn.RNN``, ``nn.GRU`` and ``nn.LSTM`` run one fused kernel over the whole
 sequence. torch has no vmap batching rule for it, so the vmap path runs it
@@ -7,7 +7,7 @@ weight gradient separately. Ghost clipping needs something else: each gate
 pre-activation's gradient ``G`` and the input ``A`` that multiplies each
 weight, over all time steps, so that a weight's per-example gradient
 ``sum_t G_t^T A_t`` is a Linear layer's over ``T`` positions (see
-:mod:`dpfunc.ghost`). :func:`unrolled` computes the layer's output step by
+:mod:`dpfunc.ghost.linear`). :func:`unrolled` computes the layer's output step by
 step with the same equations as torch's kernels, adding a zero ``probe`` to
 every gate pre-activation (its gradient is ``G``) and recording ``A``:
 
@@ -25,6 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .linear import positions
+from .registry import UNDERLYING, Outer, Rule, register_unrolled
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 
@@ -60,12 +63,12 @@ class _LSTM(_Dispatching, nn.LSTM):
 
 
 _DISPATCHING = {nn.RNN: _RNN, nn.GRU: _GRU, nn.LSTM: _LSTM}
-_TORCH = {ours: theirs for theirs, ours in _DISPATCHING.items()}
+UNDERLYING.update({ours: theirs for theirs, ours in _DISPATCHING.items()})
 
 
 def torch_class(cls: type) -> type:
     """``nn.LSTM`` for dpfunc's dispatching LSTM class (likewise RNN, GRU); else ``cls``."""
-    return _TORCH.get(cls, cls)
+    return UNDERLYING.get(cls, cls)
 
 
 def attach(module: nn.RNNBase, hooks, path: str) -> None:
@@ -198,3 +201,40 @@ def _cell(mode: str, gates_x: Tensor, gates_h: Tensor, h: Tensor, c: Tensor | No
         return n + z * (h - n), None
     pre = gates_x + gates_h
     return (torch.tanh(pre) if mode == "RNN_TANH" else torch.relu(pre)), None
+
+
+# --- the rule -------------------------------------------------------------------------
+
+
+def recurrent(module: nn.RNNBase, inputs: dict, grads: dict, weights: dict) -> dict:
+    """Each weight matrix is a Linear over the ``T x N`` (step, sequence) positions of one
+    example; each bias gradient is the sum of its gate gradients, formed per example."""
+    out = {}
+    for attr in weights:
+        a, g = positions(inputs[site_of(attr)], grads[site_of(attr)])
+        out[attr] = Outer(g, a) if attr.startswith("weight") else g.sum(1)
+    return out
+
+
+def check(module: nn.RNNBase, x, output) -> str:
+    cls = torch_class(type(module)).__name__
+    if module.proj_size:
+        return "LSTM with proj_size has no ghost rule"
+    own = {attr for attr, p in module._parameters.items() if p is not None}
+    if not own <= set(module._flat_weights_names):
+        return f"{cls} with parameters of its own has no ghost rule"
+    if not isinstance(x, Tensor) or x.dim() not in (2, 3):
+        return f"input of rank {x.dim()}" if isinstance(x, Tensor) else "its input is not a tensor"
+    if module.dropout and module.training:
+        return "dropout between its layers: the unrolled layer's masks are not torch's"
+    return ""
+
+
+def probe_shapes(module: nn.RNNBase, x: Tensor) -> dict[str, tuple[int, ...]]:
+    """site -> the shape of one example's probe on that site's gate pre-activations."""
+    shape = (*sequence_layout(module, x), GATES[module.mode] * module.hidden_size)
+    return dict.fromkeys(sites(module), shape)
+
+
+for _cls in _DISPATCHING:
+    register_unrolled(_cls, Rule(recurrent, check=check, unrolled=True))

@@ -1,0 +1,60 @@
+"""Ghost clipping: per-example norms and the clipped sum without per-example gradients.
+
+The vmap path materialises every example's gradient, ``B x P`` numbers. For a
+layer whose weight gradient is a product of its input and its output gradient
+(``grad_i = G_i^T A_i`` for ``nn.Linear``), the norm of each example's gradient
+follows from ``A_i`` and ``G_i`` alone (Goodfellow 2015; Li et al. 2022,
+"ghost clipping"), and so does the clipped sum ``sum_i c_i grad_i = (c * G)^T A``
+(book-keeping, Bu et al. 2023, "Differentially private optimization on large
+model at small cost"): one backward pass gives every ``A_i`` and ``G_i`` and no
+second backward is needed.
+
+Where each piece lives:
+
+* :mod:`~dpfunc.ghost.registry`: the rules by layer type, :func:`register_rule`
+  for a user's own layer, and :class:`Outer`, the form a rule returns;
+* one module per kind of layer: :mod:`~dpfunc.ghost.linear` (``nn.Linear``,
+  transformers' ``Conv1D``), :mod:`~dpfunc.ghost.embedding`,
+  :mod:`~dpfunc.ghost.convolution` (``nn.Conv1d``, ``nn.Conv2d``),
+  :mod:`~dpfunc.ghost.normalization` (``nn.LayerNorm``, ``nn.GroupNorm``),
+  :mod:`~dpfunc.ghost.recurrent` (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``, unrolled);
+* :mod:`~dpfunc.ghost.planner`: the analysis pass that decides, parameter by
+  parameter, what is ghosted (a parameter used at several sites, such as tied
+  input and output embeddings or a layer called twice, is ghosted when every
+  site is);
+* :mod:`~dpfunc.ghost.runtime`: the hooks and the ghost pass;
+* :mod:`~dpfunc.ghost.bounds`: norms that bound the rounding of the sum.
+
+The contract every rule keeps: each example's norm is an upper bound on the
+norm of the contribution actually summed, rounding included. Where TF32
+could round past those bounds on CUDA, the module falls back. Everything a
+rule does not cover falls back to per-example gradients from ``vmap`` in the
+same pass; ``TrainStep.explain`` says which parameters and why.
+"""
+
+from . import convolution, embedding, linear, normalization, recurrent  # registers the rules
+from .bounds import linear_weight_norms
+from .planner import GhostClipper, GhostModule, GhostPlan, analyse, tf32_risk
+from .registry import Outer, Rule, register_rule, rule_for
+from .runtime import ghost_clip, install_hooks, remove_hooks
+
+__all__ = [
+    "GhostClipper",
+    "GhostModule",
+    "GhostPlan",
+    "Outer",
+    "Rule",
+    "analyse",
+    "convolution",
+    "embedding",
+    "ghost_clip",
+    "install_hooks",
+    "linear",
+    "linear_weight_norms",
+    "normalization",
+    "recurrent",
+    "register_rule",
+    "remove_hooks",
+    "rule_for",
+    "tf32_risk",
+]

@@ -1,0 +1,189 @@
+"""Norms and clipped sums of per-example gradients in outer-product form, with rounding bounds.
+
+The clipped sum is computed by other float operations than the norm (one
+product over every row of the batch), so a norm computed naively could be
+tiny for an example whose positions cancel (huge inputs and output
+gradients, a small gradient) while its contribution to the sum is large.
+Every norm here is therefore an upper bound that covers the rounding of both
+the norm and the sum (Higham's ``gamma_n`` bounds for dot products and
+sums), so the contribution that is summed never exceeds the clip bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .registry import Outer
+
+__all__ = ["linear_weight_norms", "form_norms", "form_sum", "combine"]
+
+F64 = torch.float64
+
+
+def squared_norms(t: Tensor) -> Tensor:
+    """Each example's squared L2 norm, accumulated in float64: ``[B, ...] -> [B]``."""
+    flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
+    return torch.linalg.vector_norm(flat, dim=1, dtype=F64).square()
+
+
+def _expand(w: Tensor, like: Tensor) -> Tensor:
+    return w.reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def keep(t: Tensor, w: Tensor) -> Tensor:
+    """``t`` with the rows of weight-0 examples set to exactly 0 (NaN-safe)."""
+    return torch.where(_expand(w != 0, t), t, t.new_zeros(()))
+
+
+def scaled(t: Tensor, w: Tensor) -> Tensor:
+    """``w_i * t_i`` with rows of weight-0 examples exactly 0 (NaN-safe)."""
+    w = _expand(w, t)
+    return torch.where(w != 0, t * w.to(t.dtype), t.new_zeros(()))
+
+
+def weighted_sum(g: Tensor, w: Tensor) -> Tensor:
+    return scaled(g, w).sum(0)
+
+
+def gamma(n: int, dtype: torch.dtype) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: the relative error bound of ``n`` roundings."""
+    nu = n * torch.finfo(dtype).eps / 2
+    return nu / (1 - nu) if nu < 1 else math.inf
+
+
+def _position_norm_sum(a: Tensor, g: Tensor) -> Tensor:
+    """``S_i = sum_t |a_it| |g_it|``, float64 ``[N]``: bounds every rounding error below."""
+    a_norms = torch.linalg.vector_norm(a, dim=-1, dtype=F64)
+    g_norms = torch.linalg.vector_norm(g, dim=-1, dtype=F64)
+    return (a_norms * g_norms).sum(1)
+
+
+def linear_weight_norms(
+    a: Tensor, g: Tensor, form: str | None = None, summed_over: int = 1
+) -> Tensor:
+    """An upper bound on ``||g_i^T a_i||_F^2`` for ``a [N, T, d_in]``, ``g [N, T, d_out]``.
+
+    Returns float64 ``[N]``. ``form``: ``"outer"`` (``T == 1``: ``|a|^2
+    |g|^2``), ``"gram"`` (``sum((a a^T) * (g g^T))``, ``T x T`` per example)
+    or ``"direct"`` (forms the ``d_out x d_in`` gradient); ``None`` picks
+    ``outer`` for ``T == 1``, else ``gram`` when ``T^2 < d_in * d_out``, else
+    ``direct``.
+
+    Every rounding error is at most ``gamma * S_i`` with ``S_i = sum_t |a_it|
+    |g_it|``, so the returned norm is the computed one plus those bounds:
+    ``gram`` adds ``(3 gamma_{d+1} + 2 gamma_{T^2}(float64)) S^2`` to the
+    squared norm, ``direct`` adds ``gamma_T S`` to the norm, and every form
+    adds ``gamma_{summed_over} S`` for the sum over ``summed_over`` rows.
+    Measured in float32, the bound exceeds the exact norm by a relative
+    1.5e-5 with one position and 256 rows, and by 1e-4 to 2e-4 with 32 to 64
+    positions; it is loose only for examples whose positions cancel.
+    """
+    t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+    dtype = torch.promote_types(a.dtype, g.dtype)
+    if form is None:
+        form = "outer" if t == 1 else ("gram" if t * t < d_in * d_out else "direct")
+    s = _position_norm_sum(a, g)
+    if form == "outer":
+        if t != 1:
+            raise ValueError(f"form='outer' needs one position per example, got {t}")
+        norm = s  # |a| |g|, from float64 norms: no cancellation, no overflow of |a|^2
+    elif form == "gram":
+        gram = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2), dtype=F64)
+        error = 3 * gamma(max(d_in, d_out) + 1, dtype) + 2 * gamma(t * t, F64)
+        norm = (gram.clamp(min=0) + error * s.square()).sqrt()
+    elif form == "direct":
+        norm = torch.linalg.vector_norm(torch.bmm(g.mT, a).flatten(1), dim=1, dtype=F64)
+        norm = norm + gamma(t, dtype) * s
+    else:
+        raise ValueError(f"form must be 'outer', 'gram', 'direct' or None, got form={form!r}")
+    return (norm + gamma(summed_over, dtype) * s).square()
+
+
+def _index_norms(idx: Tensor, g: Tensor, summed_over: int) -> Tensor:
+    """:func:`linear_weight_norms` for one-hot rows ``idx [N, T]`` (``|a_t| = 1``, exact)."""
+    t, dim = g.shape[1], g.shape[2]
+    same = idx[:, :, None] == idx[:, None, :]
+    gram = torch.where(same, torch.bmm(g, g.mT), g.new_zeros(())).sum((1, 2), dtype=F64)
+    s = torch.linalg.vector_norm(g, dim=-1, dtype=F64).sum(1)
+    error = 2 * gamma(dim + 1, g.dtype) + 2 * gamma(t * t, F64)
+    norm = (gram.clamp(min=0) + error * s.square()).sqrt()
+    return (norm + gamma(summed_over, g.dtype) * s).square()  # the index_add over the batch
+
+
+def _is_index(left: Tensor) -> bool:
+    return not (left.is_floating_point() or left.is_complex())
+
+
+def form_norms(form: Outer | Tensor) -> Tensor:
+    """Each example's squared gradient norm (an upper bound for :class:`Outer`), float64 ``[B]``."""
+    if not isinstance(form, Outer):
+        return squared_norms(form)
+    left, right = form
+    b, rows = right.shape[0], math.prod(right.shape[1:-1])  # every position of the batch ...
+    if _is_index(left):
+        return _index_norms(left, right, b * rows)  # ... is one term of the clipped sum
+    groups = right.shape[1] if right.dim() == 4 else 1
+    sq = linear_weight_norms(
+        right.reshape(b * groups, -1, right.shape[-1]),
+        left.reshape(b * groups, -1, left.shape[-1]),
+        summed_over=b * rows // groups,
+    )
+    return sq.reshape(b, groups).sum(1)
+
+
+def form_sum(form: Outer | Tensor, w: Tensor, shape: torch.Size) -> Tensor:
+    """``sum_i w_i grad_i`` shaped like the parameter; weight-0 rows add exactly 0."""
+    if not isinstance(form, Outer):
+        return weighted_sum(form, w).reshape(shape)
+    left, right = form
+    q = right.shape[-1]
+    if _is_index(left):
+        zeros = right.new_zeros(shape[0], q)
+        rows = scaled(right, w).reshape(-1, q)
+        return zeros.index_add(0, left.reshape(-1), rows).reshape(shape)
+    p = left.shape[-1]
+    if right.dim() == 4:  # [B, G, T, d] -> [G, B * T, d]
+        lhs = scaled(left, w).transpose(0, 1).reshape(left.shape[1], -1, p)
+        rhs = keep(right, w).transpose(0, 1).reshape(right.shape[1], -1, q)
+        return torch.bmm(lhs.mT, rhs).reshape(shape)
+    return (scaled(left, w).reshape(-1, p).mT @ keep(right, w).reshape(-1, q)).reshape(shape)
+
+
+def _dense(left: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
+    return F.one_hot(left, rows).to(dtype) if _is_index(left) else left
+
+
+def _formed(form: Outer | Tensor, shape: torch.Size) -> Tensor:
+    if not isinstance(form, Outer):
+        return form.reshape(form.shape[0], *shape)
+    left, right = form
+    left = _dense(left, shape[0], right.dtype)
+    if right.dim() == 4:
+        return torch.einsum("bgtp,bgtq->bgpq", left, right).reshape(right.shape[0], *shape)
+    return torch.bmm(left.mT, right).reshape(right.shape[0], *shape)
+
+
+def combine(forms: list[Outer | Tensor], shape: torch.Size) -> Outer | Tensor:
+    """One form for a parameter used at several sites (calls, or layers sharing it).
+
+    Outer forms of one layout join along the positions (the gradient is the
+    sum over all of them, cross terms included in the norm); anything else is
+    formed per example and added.
+    """
+    if len(forms) == 1:
+        return forms[0]
+    if all(isinstance(f, Outer) for f in forms):
+        dims = {f.right.dim() for f in forms}
+        if dims == {3} or (dims == {4} and len({f.right.shape[1] for f in forms}) == 1):
+            if all(_is_index(f.left) for f in forms):
+                return Outer(torch.cat([f.left for f in forms], 1),
+                             torch.cat([f.right for f in forms], 1))  # fmt: skip
+            dtype = next(f.right.dtype for f in forms)
+            lefts = [_dense(f.left, shape[0], dtype) for f in forms]
+            rights = [f.right for f in forms]
+            return Outer(torch.cat(lefts, -2), torch.cat(rights, -2))
+    return sum(_formed(f, shape) for f in forms)

@@ -1,0 +1,54 @@
+"""Linear maps: ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2's projections).
+
+Over the positions ``T`` between the first and the last dimension, a Linear
+layer's weight gradient is ``G^T A`` and its bias gradient ``sum_t G_t``
+(Goodfellow 2015). ``Conv1D`` is the same map with the weight stored
+transposed (``[d_in, d_out]``), so its gradient is ``A^T G``.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .registry import Outer, register_rule
+
+
+def positions(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``(A [B, T, d_in], G [B, T, d_out])``: every leading position of one example as a row."""
+    b = g.shape[0]
+    g = g.reshape(b, -1, g.shape[-1])
+    return x.reshape(b, -1, x.shape[-1]).to(g.dtype), g
+
+
+def cheaper(d_in: int, d_out: int, t: int) -> bool:
+    """Whether the norm of ``sum_t g_t a_t^T`` is cheaper from Gram matrices than formed.
+
+    True for one position (the rank-one form) or ``T^2 < d_in * d_out`` (the
+    ``T x T`` Gram matrices are smaller than the gradient): the choice
+    :func:`dpfunc.ghost.bounds.linear_weight_norms` makes, so ``False`` means
+    the direct form, which forms the gradient anyway.
+    """
+    return t == 1 or t * t < d_in * d_out
+
+
+def linear(module: nn.Linear, x: Tensor, g: Tensor, weights: dict) -> dict:
+    a, g = positions(x, g)
+    return {"weight": Outer(g, a), "bias": g.sum(1)}
+
+
+def conv1d(module: nn.Module, x: Tensor, g: Tensor, weights: dict) -> dict:
+    a, g = positions(x, g)
+    return {"weight": Outer(a, g), "bias": g.sum(1)}
+
+
+def _linear_cheaper(module: nn.Linear, x: Tensor, output: Tensor) -> bool:
+    return cheaper(module.in_features, module.out_features, x.numel() // module.in_features)
+
+
+def _conv1d_cheaper(module: nn.Module, x: Tensor, output: Tensor) -> bool:
+    d_in, d_out = module.weight.shape
+    return cheaper(d_in, d_out, x.numel() // d_in)
+
+
+register_rule(nn.Linear, linear, cheaper=_linear_cheaper)
+register_rule("transformers.pytorch_utils.Conv1D", conv1d, cheaper=_conv1d_cheaper)

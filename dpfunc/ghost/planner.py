@@ -1,0 +1,464 @@
+"""The planner: which parameters the ghost pass handles for a batch structure, and why not.
+
+An analysis pass runs the loss on one real example, eagerly, with pre- and
+post-forward hooks on every module that has a rule and a
+``TorchFunctionMode`` that records every use of every trainable parameter.
+A parameter is ghosted only if every use of it is a call of a module with a
+rule, through that module's own attribute (a module called twice, or tied
+input and output embeddings, give several sites whose forms the runtime
+joins), and each of those calls is clean: outside any nested ``torch.func``
+transform, with no foreign forward hook before dpfunc's, a tensor input not
+modified in place afterwards, and whatever the rule's own check asks.
+Everything else gets per-example gradients from vmap in the same pass.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves as _torch_tree_leaves
+
+from ..clipping import clip_factors, clipped_sum, per_sample_norms
+from ..per_sample import per_sample_grads_and_losses
+from ..tree import Params, PyTree
+from . import recurrent
+from .registry import rule_for
+from .runtime import ForwardHook, GhostHooks, ghost_clip, install_hooks, module_input
+
+__all__ = ["GhostClipper", "GhostModule", "GhostPlan", "analyse", "tf32_risk"]
+
+COST_CHOICE = "vmap: cheaper than ghost clipping for this layer's shapes (method='auto')"
+MEASURED = "vmap: plain vmap measured faster for this batch shape (method='auto')"
+
+
+@dataclass(frozen=True)
+class GhostModule:
+    path: str
+    attrs: tuple[tuple[str, str], ...]  # (attribute, parameter name), ghosted only
+    bound: tuple[tuple[str, str], ...]  # (attribute, parameter name), every trainable one
+    probes: tuple[Any, ...]  # per call: one example's output shape (recurrent: (site, shape)s)
+    dtype: torch.dtype  # of the probes
+
+
+@dataclass(frozen=True)
+class GhostPlan:
+    """Which modules the ghost path handles for one batch structure, and why not the rest."""
+
+    modules: tuple[GhostModule, ...]
+    reasons: tuple[str, ...]  # the fallbacks worth a warning, one line per module or owner
+    vmapped: tuple[tuple[str, str], ...] = ()  # (parameter, "vmap: why")
+    covered: tuple[str, ...] = field(init=False)  # the parameters the rules handle
+
+    def __post_init__(self):
+        names = dict.fromkeys(name for m in self.modules for _, name in m.attrs)
+        object.__setattr__(self, "covered", tuple(names))
+
+    def explain(self, names) -> dict[str, str]:
+        """``{name: "ghost" or "vmap: why"}`` for every parameter in ``names``."""
+        why = dict(self.vmapped)
+        covered = set(self.covered)
+        return {
+            n: "ghost" if n in covered else why.get(n, "vmap: not seen in the analysis pass")
+            for n in names
+        }
+
+
+@dataclass
+class _Call:
+    bound: dict[str, str | None]  # attribute -> parameter name at call time
+    nested: bool
+    x: Any = None
+    version: int | None = None
+    output: Any = None
+
+
+class _Analysis:
+    """Hook context of the analysis pass: what each covered module saw."""
+
+    def __init__(self, params: Params):
+        self.names = {id(t): name for name, t in params.items()}
+        self.stack: list[str] = []
+        self.calls: dict[str, list[_Call]] = defaultdict(list)
+        self.uses: dict[str, set] = defaultdict(set)  # param name -> paths (None: outside)
+        self.level = torch._C._functorch.maybe_current_level()  # transforms around the loss
+
+    def before_forward(self, path, module, args, kwargs):
+        self.stack.append(path)
+        bound = {attr: self.names.get(id(getattr(module, attr, None))) for attr in _attrs(module)}
+        nested = torch._C._functorch.maybe_current_level() != self.level
+        self.calls[path].append(_Call(bound, nested))
+
+    def after_forward(self, path, module, args, kwargs, output):
+        if self.stack and self.stack[-1] == path:
+            self.stack.pop()
+        call = self.calls[path][-1]
+        x = module_input(args, kwargs)
+        call.x, call.version = (x, x._version) if isinstance(x, Tensor) else (None, None)
+        call.output = output
+        return None
+
+    def use(self, tensor: Tensor) -> None:
+        name = self.names.get(id(tensor))
+        if name is not None:
+            self.uses[name].add(self.stack[-1] if self.stack else None)
+
+
+class _UseTracker(TorchFunctionMode):
+    """Records every torch call that takes a trainable parameter and returns a tensor."""
+
+    def __init__(self, analysis: _Analysis):
+        super().__init__()
+        self.analysis = analysis
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if any(isinstance(o, Tensor) for o in _torch_tree_leaves(out)):
+            for a in _torch_tree_leaves((args, kwargs)):
+                if isinstance(a, Tensor):
+                    self.analysis.use(a)
+        return out
+
+
+def _attrs(module: nn.Module) -> list[str]:
+    """The module's own parameter attributes (``weight``, ``bias``, ``weight_ih_l0``, ...)."""
+    return [attr for attr, p in module._parameters.items() if isinstance(p, Tensor)]
+
+
+def analyse(
+    model: nn.Module,
+    hooks: GhostHooks,
+    loss_fn,
+    params: Params,
+    example: PyTree,
+    method: str = "ghost",
+) -> GhostPlan:
+    """Runs ``loss_fn(params, example)`` once, eagerly, and decides what to ghost.
+
+    ``method="auto"`` also leaves to vmap every parameter that a layer's
+    rule says is cheaper materialised (its ``cheaper``); ``"ghost"`` ghosts
+    every parameter it can. Global RNG state is restored afterwards.
+    """
+    params = {
+        k: v.detach().requires_grad_(v.is_floating_point() or v.is_complex())
+        for k, v in params.items()
+    }
+    analysis = _Analysis(params)
+    pre_handles = [
+        module.register_forward_pre_hook(
+            lambda mod, args, kwargs, path=path: analysis.before_forward(path, mod, args, kwargs),
+            with_kwargs=True,
+        )
+        for path, module in hooks.modules.items()
+    ]
+    devices = sorted({t.device.index for t in params.values() if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices), _UseTracker(analysis):
+            hooks.ctx = analysis
+            try:
+                loss_fn(params, example)
+            finally:
+                hooks.ctx = None
+    finally:
+        for handle in pre_handles:
+            handle.remove()
+
+    # which calls are clean, module by module
+    unclean: dict[str, str] = {}
+    sites: dict[str, list[str]] = defaultdict(list)  # param name -> paths binding it
+    costly: set[str] = set()
+    for path, calls in analysis.calls.items():
+        module = hooks.modules[path]
+        why = _disqualify(module, calls, hooks.ids[path])
+        if why:
+            unclean[path] = why
+            continue
+        if method == "auto":
+            rule = hooks.rules[path]
+            if rule.cheaper is not None and not all(
+                rule.cheaper(module, c.x, c.output) for c in calls
+            ):
+                costly.add(path)
+        for name in dict.fromkeys(n for n in calls[0].bound.values() if n is not None):
+            sites[name].append(path)
+
+    vmapped: dict[str, str] = {}
+    fallbacks: dict[str, list[str]] = defaultdict(list)  # warning line -> parameters
+    for name in params:
+        why, cost = _why_not(name, model, hooks, analysis, unclean, sites.get(name, [])), False
+        if not why and costly & set(sites[name]):
+            why, cost = COST_CHOICE, True
+        if why:
+            vmapped[name] = why if cost else f"vmap: {why}"
+            if not cost:
+                fallbacks[why].append(name)
+
+    modules = []
+    for path in hooks.modules:
+        calls = analysis.calls.get(path)
+        if not calls or path in unclean:
+            continue
+        attrs = tuple((a, n) for a, n in calls[0].bound.items() if n in params and n not in vmapped)
+        if not attrs:
+            continue
+        module = hooks.modules[path]
+        if hooks.rules[path].unrolled:
+            shapes = tuple(tuple(recurrent.probe_shapes(module, c.x).items()) for c in calls)
+            dtype = calls[0].output[0].dtype
+        else:
+            shapes = tuple(tuple(c.output.shape) for c in calls)
+            dtype = calls[0].output.dtype
+        bound = tuple((a, n) for a, n in calls[0].bound.items() if n in params)
+        modules.append(GhostModule(path, attrs, bound, shapes, dtype))
+    reasons = tuple(f"{why} (parameters {names})" for why, names in fallbacks.items())
+    return GhostPlan(tuple(modules), reasons, tuple(vmapped.items()))
+
+
+def _why_not(name, model, hooks, analysis, unclean, paths) -> str:
+    """Why parameter ``name`` cannot be ghosted (``""`` when it can)."""
+    owner = name.rpartition(".")[0]
+    try:
+        owner_module = model.get_submodule(owner)
+    except AttributeError:
+        owner_module = None
+    if owner in unclean:
+        return f"{owner!r}: {unclean[owner]}"
+    uses = analysis.uses.get(name, set())
+    if owner in hooks.modules and owner not in analysis.calls:
+        return f"{owner!r}: never called through its forward (its parameters are used otherwise)"
+    if not uses:
+        if owner_module is not None and owner not in hooks.modules:
+            return f"{owner!r}: {rule_for(owner_module)[1]}"
+        return "never used in the analysis pass"
+    outside = uses - set(paths)
+    for path in sorted(p for p in outside if p in unclean):
+        return f"{path!r}: {unclean[path]}"
+    if outside:
+        if owner_module is not None and owner not in hooks.modules:
+            return f"{owner!r}: {rule_for(owner_module)[1]}"
+        where = sorted(repr(p) if p else "outside any covered module" for p in outside)
+        return f"params[{name!r}] is also used {', '.join(where)}"
+    return ""
+
+
+def tf32_risk(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the ghost products (matmuls) may run in TF32 on ``device`` for ``dtype``.
+
+    The norm bounds of :func:`dpfunc.ghost.bounds.linear_weight_norms` assume
+    IEEE rounding of ``dtype``; TF32 keeps 10 mantissa bits of float32's 23,
+    so a cancelling example could pass the bound hundreds of times over.
+    Matmuls use it on CUDA when ``torch.get_float32_matmul_precision()`` is
+    not ``"highest"`` (``torch.backends.cuda.matmul.allow_tf32``). The
+    convolution rule sums through matmuls too, so cuDNN's own TF32 flag does
+    not matter.
+    """
+    return (
+        device.type == "cuda"
+        and dtype == torch.float32
+        and torch.get_float32_matmul_precision() != "highest"
+    )
+
+
+def _disqualify(module: nn.Module, calls: list[_Call], hook_id: int) -> str:
+    # dpfunc's hook must see the module's own output: the probe's gradient is then
+    # the gradient with respect to it, which the rules assume
+    if nn.modules.module._global_forward_hooks:
+        return "a global forward hook may change its output before dpfunc's hook sees it"
+    for key, hook in module._forward_hooks.items():
+        if key == hook_id:
+            break
+        if not isinstance(hook, ForwardHook):  # another model's dpfunc hook is inert
+            return "another forward hook runs before dpfunc's and may change its output"
+    rule, why = rule_for(module)
+    if rule is None:
+        return why
+    if rule.unrolled and len(calls) > 1:
+        return f"called {len(calls)} times per example"
+    if any(c.bound != calls[0].bound for c in calls):
+        return "its parameters differ between its calls"
+    for c in calls:
+        if c.output is None and c.x is None:
+            return "never returned from its forward"
+        if c.nested:
+            return "called inside a nested torch.func transform (e.g. an input derivative)"
+        if c.x is None:
+            return "its input is not a tensor"
+        if c.x._version != c.version:
+            return "its input is modified in place after the call"
+        out = c.output[0] if rule.unrolled and isinstance(c.output, tuple) else c.output
+        if not isinstance(out, Tensor):
+            return "its output is not a tensor"
+        if tf32_risk(out.device, out.dtype):
+            return (
+                "TF32 rounds its products more than the ghost norm bound covers; set "
+                "torch.backends.cuda.matmul.allow_tf32 = False to ghost it"
+            )
+        if rule.check is not None:
+            why = rule.check(module, c.x, c.output)
+            if why:
+                return why
+    return ""
+
+
+# --- batch skeletons (so the plan can be a compile-time constant) ---------------------
+
+
+def _skeleton(tree: PyTree, leaves: list) -> Any:
+    if isinstance(tree, Tensor):
+        leaves.append(tree)
+        return None
+    if isinstance(tree, dict):
+        return (dict, tuple((k, _skeleton(v, leaves)) for k, v in tree.items()))
+    if isinstance(tree, (tuple, list)):
+        return (type(tree), tuple(_skeleton(v, leaves) for v in tree))
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return ("const", tree)
+    raise TypeError(f"ghost clipping supports batches of tuples, lists and dicts, got {tree!r}")
+
+
+def _rebuild(skeleton: Any, leaves) -> PyTree:
+    if skeleton is None:
+        return next(leaves)
+    kind, body = skeleton
+    if kind == "const":
+        return body
+    if kind is dict:
+        return {k: _rebuild(v, leaves) for k, v in body}
+    children = [_rebuild(v, leaves) for v in body]
+    if kind in (tuple, list):
+        return kind(children)
+    return kind(*children)  # a NamedTuple
+
+
+class GhostClipper:
+    """Per-step state of the ghost path: the hooks, the plans by batch structure, warnings."""
+
+    def __init__(self, model: nn.Module, loss_fn, method: str):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.loss_fn = loss_fn
+        self.method = method
+        self.hooks = install_hooks(model)
+        self.plans: dict[Any, GhostPlan] = {}
+        self.warned = False
+
+    def plan(self, params: Params, batch: PyTree) -> GhostPlan:
+        """The plan for this batch structure (computed once; a constant under compile)."""
+        leaves: list = []
+        try:
+            skeleton = _skeleton(batch, leaves)
+        except TypeError as error:
+            return _plan_for(self, ("unsupported", str(error)), tuple(params))
+        return _plan_for(self, skeleton, tuple(params), *params.values(), *leaves)
+
+
+@torch.compiler.assume_constant_result
+def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
+    # Runs eagerly, also when the step is being compiled: Dynamo calls it with the
+    # real tensors and bakes the returned plan into the graph as a constant. The
+    # cache key is computed here, from those real tensors, because under automatic
+    # dynamic shapes (a second model or batch size in one process) the traced
+    # shapes are symbolic and cannot be passed in as constants. A plan baked into
+    # a graph that is later reused for other per-example shapes is caught by the
+    # shape check in the runtime's hooks.
+    timed = clipper.method == "auto" and not torch.compiler.is_compiling()
+    if isinstance(skeleton, tuple) and skeleton[0] == "unsupported":
+        key = skeleton
+    else:
+        params, leaves = tensors[: len(names)], tensors[len(names) :]
+        key = (
+            tuple((k, tuple(v.shape), v.dtype) for k, v in zip(names, params)),
+            skeleton,
+            tuple((tuple(x.shape[1:]), x.dtype) for x in leaves),
+            timed,
+        )
+    plan = clipper.plans.get(key)
+    if plan is not None:
+        return plan
+    if key[0] == "unsupported":
+        plan = _all_vmap(names, key[1])
+    else:
+        example = _rebuild(skeleton, iter(t[0] for t in leaves))
+        try:
+            plan = analyse(
+                clipper.model,
+                clipper.hooks,
+                clipper.loss_fn,
+                dict(zip(names, params)),
+                example,
+                clipper.method,
+            )
+        except Exception as error:  # the loss could not run under the analysis
+            plan = _all_vmap(names, f"the analysis pass failed: {type(error).__name__}: {error}")
+        if timed and plan.modules:
+            params = dict(zip(names, params))
+            plan = _faster_of(clipper, plan, params, _rebuild(skeleton, iter(leaves)))
+    clipper.plans[key] = plan
+    if plan.reasons and not clipper.warned:
+        clipper.warned = True
+        scope = (
+            "the whole step uses per-example gradients (vmap)"
+            if not plan.modules
+            else "these parameters get per-example gradients (vmap), the rest ghost clipping"
+        )
+        warnings.warn(
+            f"dpfunc ghost clipping (method={clipper.method!r}): {scope}: "
+            + "; ".join(plan.reasons)
+            + ". step.explain(params, batch) lists every parameter's path.",
+            UserWarning,
+            stacklevel=4,
+        )
+    return plan
+
+
+def _all_vmap(names, why: str) -> GhostPlan:
+    return GhostPlan((), (why,), tuple((n, f"vmap: {why}") for n in names))
+
+
+def _faster_of(clipper: GhostClipper, plan: GhostPlan, params: Params, batch) -> GhostPlan:
+    """``method="auto"`` eagerly: ``plan``, or plain vmap if that measured faster.
+
+    The rules' cost models count arithmetic; on small models the ghost pass's
+    fixed costs (hooks, a second backward) can dominate. So the first eager
+    step of each batch shape times both ways to the clipped sum once, after
+    one warm-up call each, on the real batch, and keeps the faster (vmap on
+    a tie). Compiled steps keep the cost model: their times differ from eager
+    ones. The global RNG state is restored, so the timing leaves dropout
+    draws as they were.
+    """
+    size = _torch_tree_leaves(batch)[0].shape[0]
+    device = next(iter(params.values())).device
+    mask = torch.ones(size, dtype=torch.bool, device=device)
+
+    def ghost() -> None:
+        ghost_clip(clipper.loss_fn, clipper.hooks, plan, params, batch, mask,
+                   clipping="flat", clip_norm=1.0)  # fmt: skip
+
+    def plain() -> None:
+        grads, _ = per_sample_grads_and_losses(clipper.loss_fn, params, batch)
+        clipped_sum(grads, clip_factors(per_sample_norms(grads), 1.0), mask)
+
+    def seconds(run) -> float:
+        run()  # warm-up: first-call costs are not what a step pays
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - started
+
+    devices = [device.index] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        ghost_s, vmap_s = seconds(ghost), seconds(plain)
+    if ghost_s < vmap_s:
+        return plan
+    return GhostPlan((), (), tuple((n, MEASURED) for n in params))
