@@ -17,7 +17,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from .ghost import recurrent
+from .ghost.dispatch import torch_class
 from .tree import Params
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
@@ -56,7 +56,7 @@ def functionalize(module: nn.Module) -> tuple[Params, dict[str, Tensor]]:
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     check_per_example(module)
     for sub in module.modules():
-        if recurrent.torch_class(type(sub)) in (nn.RNN, nn.GRU, nn.LSTM) and not getattr(
+        if torch_class(type(sub)) in (nn.RNN, nn.GRU, nn.LSTM) and not getattr(
             sub, "_dpfunc_hidden_hook", False
         ):
             sub.register_forward_pre_hook(_zero_hidden_state, with_kwargs=True)

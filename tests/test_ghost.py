@@ -354,18 +354,72 @@ def test_mixed_models_match_vmap(clipping):
     )
 
 
-def test_transformer_layer_ghosts_all_but_attention():
+def test_transformer_layer_is_fully_ghosted():
     torch.manual_seed(1)
     layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
     batch = torch.randn(B, 5, 8)
-    reason = r"'self_attn': MultiheadAttention has no.*'self_attn\.out_proj': never called"
-    with pytest.warns(UserWarning, match=reason):
-        assert_ghost_equals_vmap(
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        plan = assert_ghost_equals_vmap(
             layer,
             batch,
             lambda c, x: 0.2 * on_unsqueezed(c, x),
-            ghosted=["linear1", "linear2", "norm1", "norm2"],
+            ghosted=["self_attn", "linear1", "linear2", "norm1", "norm2"],
         )
+    assert set(plan.covered) == {name for name, _ in layer.named_parameters()}
+
+
+class Attend(nn.Module):
+    """Attention with a key padding mask from the example, as a model calls it."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+        kw = dict(kdim=3, vdim=5) if mode == "kdim" else {}
+        self.attn = nn.MultiheadAttention(
+            6, 2, batch_first=mode != "seq_first", bias=mode != "no_bias", **kw
+        )
+
+    def forward(self, x, memory, pad):
+        if self.mode == "seq_first":
+            x, memory = x.transpose(0, 1), memory.transpose(0, 1)
+        if self.mode == "kdim":
+            key, value = memory[..., :3], torch.cat([memory[..., :3], memory[..., :2]], -1)
+        elif self.mode in ("self", "seq_first"):
+            key = value = x if self.mode == "self" else memory
+        else:
+            key = value = memory
+        query = x
+        if self.mode == "self":
+            key = value = query
+        out, weights = self.attn(query, key, value, key_padding_mask=pad,
+                                 need_weights=self.mode != "no_weights")  # fmt: skip
+        if self.mode == "seq_first":
+            out = out.transpose(0, 1)
+        extra = 0.0 if weights is None else 0.3 * weights.sum()
+        return out.tanh().sum(-1) + extra
+
+
+@pytest.mark.parametrize("mode", ["self", "cross", "seq_first", "kdim", "no_bias", "no_weights"])
+def test_multihead_attention_matches_vmap(mode):
+    torch.manual_seed(2)
+    model = Attend(mode)
+    x, memory = torch.randn(B, 1, 4, 6), torch.randn(B, 1, 5, 6)
+    if mode == "self":
+        memory = x
+    pad = torch.zeros(B, 1, x.shape[2] if mode == "self" else 5, dtype=torch.bool)
+    pad[1, 0, -2:] = True  # padding in some examples
+    pad[4, 0, -1:] = True
+    forward = lambda call, ex: projected(call(*ex))  # noqa: E731
+    assert_ghost_equals_vmap(model, (x, memory, pad), forward, ghosted=["attn"])
+
+
+def test_multihead_attention_with_bias_kv_falls_back():
+    model = nn.MultiheadAttention(6, 2, add_bias_kv=True, batch_first=True)
+    forward = lambda call, x: projected(call(x, x, x)[0])  # noqa: E731
+    with pytest.warns(UserWarning, match="add_bias_kv has no ghost rule"):
+        assert_ghost_equals_vmap(model, torch.randn(B, 1, 4, 6), forward, ghosted=[])
 
 
 @pytest.mark.parametrize("clipping", ["flat", "normalized"])

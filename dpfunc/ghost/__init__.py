@@ -17,7 +17,9 @@ Where each piece lives:
   transformers' ``Conv1D``), :mod:`~dpfunc.ghost.embedding`,
   :mod:`~dpfunc.ghost.convolution` (``nn.Conv1d``, ``nn.Conv2d``),
   :mod:`~dpfunc.ghost.normalization` (``nn.LayerNorm``, ``nn.GroupNorm``),
-  :mod:`~dpfunc.ghost.recurrent` (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``, unrolled);
+  :mod:`~dpfunc.ghost.recurrent` (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``, unrolled),
+  :mod:`~dpfunc.ghost.attention` (``nn.MultiheadAttention``'s projections);
+  the last two run themselves in a ghost pass (:mod:`~dpfunc.ghost.dispatch`);
 * :mod:`~dpfunc.ghost.planner`: the analysis pass that decides, parameter by
   parameter, what is ghosted (a parameter used at several sites, such as tied
   input and output embeddings or a layer called twice, is ghosted when every
@@ -32,7 +34,14 @@ rule does not cover falls back to per-example gradients from ``vmap`` in the
 same pass; ``TrainStep.explain`` says which parameters and why.
 """
 
-from . import convolution, embedding, linear, normalization, recurrent  # registers the rules
+from . import (  # registers the rules
+    attention,
+    convolution,
+    embedding,
+    linear,
+    normalization,
+    recurrent,
+)
 from .bounds import linear_weight_norms
 from .planner import GhostClipper, GhostModule, GhostPlan, analyse, tf32_risk
 from .registry import Outer, Rule, register_rule, rule_for
@@ -45,6 +54,7 @@ __all__ = [
     "Outer",
     "Rule",
     "analyse",
+    "attention",
     "convolution",
     "embedding",
     "ghost_clip",

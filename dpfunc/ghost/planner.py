@@ -28,9 +28,16 @@ from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 from ..clipping import clip_factors, clipped_sum, per_sample_norms
 from ..per_sample import per_sample_grads_and_losses
 from ..tree import Params, PyTree
-from . import recurrent
 from .registry import rule_for
-from .runtime import ForwardHook, GhostHooks, ghost_clip, install_hooks, module_input
+from .runtime import (
+    ForwardHook,
+    GhostHooks,
+    attribute,
+    ghost_clip,
+    install_hooks,
+    module_input,
+    parameters,
+)
 
 __all__ = ["GhostClipper", "GhostModule", "GhostPlan", "analyse", "tf32_risk"]
 
@@ -74,6 +81,8 @@ class GhostPlan:
 class _Call:
     bound: dict[str, str | None]  # attribute -> parameter name at call time
     nested: bool
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
     x: Any = None
     version: int | None = None
     output: Any = None
@@ -82,7 +91,8 @@ class _Call:
 class _Analysis:
     """Hook context of the analysis pass: what each covered module saw."""
 
-    def __init__(self, params: Params):
+    def __init__(self, params: Params, hooks: GhostHooks):
+        self.hooks = hooks
         self.names = {id(t): name for name, t in params.items()}
         self.stack: list[str] = []
         self.calls: dict[str, list[_Call]] = defaultdict(list)
@@ -91,9 +101,10 @@ class _Analysis:
 
     def before_forward(self, path, module, args, kwargs):
         self.stack.append(path)
-        bound = {attr: self.names.get(id(getattr(module, attr, None))) for attr in _attrs(module)}
+        attrs = parameters(module, self.hooks.rules[path])
+        bound = {attr: self.names.get(id(attribute(module, attr))) for attr in attrs}
         nested = torch._C._functorch.maybe_current_level() != self.level
-        self.calls[path].append(_Call(bound, nested))
+        self.calls[path].append(_Call(bound, nested, args, kwargs))
 
     def after_forward(self, path, module, args, kwargs, output):
         if self.stack and self.stack[-1] == path:
@@ -127,11 +138,6 @@ class _UseTracker(TorchFunctionMode):
         return out
 
 
-def _attrs(module: nn.Module) -> list[str]:
-    """The module's own parameter attributes (``weight``, ``bias``, ``weight_ih_l0``, ...)."""
-    return [attr for attr, p in module._parameters.items() if isinstance(p, Tensor)]
-
-
 def analyse(
     model: nn.Module,
     hooks: GhostHooks,
@@ -150,7 +156,7 @@ def analyse(
         k: v.detach().requires_grad_(v.is_floating_point() or v.is_complex())
         for k, v in params.items()
     }
-    analysis = _Analysis(params)
+    analysis = _Analysis(params, hooks)
     pre_handles = [
         module.register_forward_pre_hook(
             lambda mod, args, kwargs, path=path: analysis.before_forward(path, mod, args, kwargs),
@@ -209,8 +215,11 @@ def analyse(
         if not attrs:
             continue
         module = hooks.modules[path]
-        if hooks.rules[path].unrolled:
-            shapes = tuple(tuple(recurrent.probe_shapes(module, c.x).items()) for c in calls)
+        rule = hooks.rules[path]
+        if rule.unrolled:
+            shapes = tuple(
+                tuple(rule.probe_shapes(module, c.args, c.kwargs).items()) for c in calls
+            )
             dtype = calls[0].output[0].dtype
         else:
             shapes = tuple(tuple(c.output.shape) for c in calls)
@@ -223,6 +232,9 @@ def analyse(
 
 def _why_not(name, model, hooks, analysis, unclean, paths) -> str:
     """Why parameter ``name`` cannot be ghosted (``""`` when it can)."""
+    uses = analysis.uses.get(name, set())
+    if uses and set(paths) >= uses:
+        return ""
     owner = name.rpartition(".")[0]
     try:
         owner_module = model.get_submodule(owner)
@@ -230,7 +242,6 @@ def _why_not(name, model, hooks, analysis, unclean, paths) -> str:
         owner_module = None
     if owner in unclean:
         return f"{owner!r}: {unclean[owner]}"
-    uses = analysis.uses.get(name, set())
     if owner in hooks.modules and owner not in analysis.calls:
         return f"{owner!r}: never called through its forward (its parameters are used otherwise)"
     if not uses:

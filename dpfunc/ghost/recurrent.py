@@ -26,66 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .dispatch import torch_class
 from .linear import positions
-from .registry import UNDERLYING, Outer, Rule, register_unrolled
+from .registry import Outer, Rule, register_unrolled
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
-
-
-class _Dispatching:
-    """Mixed into a recurrent module's class while ghost hooks are on it: in a ghost
-    pass that planned the module (a context with ``run_recurrent`` and the module's
-    probes), its forward runs unrolled; otherwise it is the module's own.
-
-    A class, not an instance attribute, so that copies (``deepcopy``, DataParallel
-    replicas) dispatch on themselves. The ``(hooks, path)`` sites of every model
-    sharing the module are kept in its ``__dict__``.
-    """
-
-    def forward(self, input, hx=None):  # noqa: A002 - torch's own argument name
-        for hooks, path in self.__dict__.get("_dpfunc_ghost_sites", ()):
-            run = getattr(hooks.ctx, "run_recurrent", None)
-            if run is not None and path in hooks.ctx.probes:
-                return run(path, self, input, hx)
-        return super().forward(input, hx)
-
-
-class _RNN(_Dispatching, nn.RNN):
-    pass
-
-
-class _GRU(_Dispatching, nn.GRU):
-    pass
-
-
-class _LSTM(_Dispatching, nn.LSTM):
-    pass
-
-
-_DISPATCHING = {nn.RNN: _RNN, nn.GRU: _GRU, nn.LSTM: _LSTM}
-UNDERLYING.update({ours: theirs for theirs, ours in _DISPATCHING.items()})
-
-
-def torch_class(cls: type) -> type:
-    """``nn.LSTM`` for dpfunc's dispatching LSTM class (likewise RNN, GRU); else ``cls``."""
-    return UNDERLYING.get(cls, cls)
-
-
-def attach(module: nn.RNNBase, hooks, path: str) -> None:
-    """Makes ``module`` dispatch to :func:`unrolled` in ghost passes of ``hooks``."""
-    module.__class__ = _DISPATCHING[torch_class(type(module))]
-    module.__dict__.setdefault("_dpfunc_ghost_sites", []).append((hooks, path))
-
-
-def detach(module: nn.Module, hooks) -> None:
-    """Undoes :func:`attach` for ``hooks``; the module's own class once none is left."""
-    sites = module.__dict__.get("_dpfunc_ghost_sites")
-    if sites is None:
-        return
-    sites[:] = [(h, p) for h, p in sites if h is not hooks]
-    if not sites:
-        del module.__dict__["_dpfunc_ghost_sites"]
-        module.__class__ = torch_class(type(module))
 
 
 def sites(module: nn.RNNBase) -> list[str]:
@@ -230,11 +175,18 @@ def check(module: nn.RNNBase, x, output) -> str:
     return ""
 
 
-def probe_shapes(module: nn.RNNBase, x: Tensor) -> dict[str, tuple[int, ...]]:
+def probe_shapes(module: nn.RNNBase, args: tuple, kwargs: dict) -> dict[str, tuple[int, ...]]:
     """site -> the shape of one example's probe on that site's gate pre-activations."""
+    x = args[0] if args else kwargs["input"]
     shape = (*sequence_layout(module, x), GATES[module.mode] * module.hidden_size)
     return dict.fromkeys(sites(module), shape)
 
 
-for _cls in _DISPATCHING:
-    register_unrolled(_cls, Rule(recurrent, check=check, unrolled=True))
+def run(module: nn.RNNBase, probes: dict, record: dict, input, hx=None):  # noqa: A002
+    """The layer's call in a ghost pass: unrolled, with a probe on every gate."""
+    return unrolled(module, input, hx, probes, record)
+
+
+RULE = Rule(recurrent, check=check, run=run, probe_shapes=probe_shapes)
+for _cls in (nn.RNN, nn.GRU, nn.LSTM):
+    register_unrolled(_cls, RULE)

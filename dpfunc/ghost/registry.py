@@ -64,7 +64,16 @@ class Rule:
     gradients: Gradients
     check: Callable[[nn.Module, Any, Any], str] | None = None
     cheaper: Callable[[nn.Module, Any, Any], bool] | None = None
-    unrolled: bool = False  # dpfunc's recurrent rule: the layer runs itself with probes
+    # dpfunc's layers that run themselves in a ghost pass (:mod:`dpfunc.ghost.dispatch`):
+    # run(module, probes, record, *args, **kwargs) -> output, probes and record keyed by
+    # site; probe_shapes(module, args, kwargs) -> site -> one example's probe shape
+    run: Callable | None = None
+    probe_shapes: Callable | None = None
+    owns: tuple[str, ...] = ()  # parameters of submodules the layer uses itself
+
+    @property
+    def unrolled(self) -> bool:
+        return self.run is not None
 
 
 _RULES: dict[type | str, Rule] = {}
@@ -121,7 +130,7 @@ def register_rule(
 
 
 def register_unrolled(module_type: type, rule: Rule) -> None:
-    """dpfunc's own recurrent layers, which run unrolled in a ghost pass."""
+    """dpfunc's own layers that run themselves in a ghost pass (recurrent, attention)."""
     _RULES[module_type] = rule
 
 

@@ -24,7 +24,7 @@ from torch.func import grad_and_value
 from ..clipping import clip_factors, groups_by_module
 from ..per_sample import vmap_over_examples
 from ..tree import Params, PyTree
-from . import recurrent
+from . import dispatch
 from .bounds import combine, form_norms, form_sum, squared_norms, weighted_sum
 from .registry import Rule, rule_for
 
@@ -54,8 +54,8 @@ class GhostHooks:
             )
             self.handles.append(handle)
             self.ids[path] = handle.id
-            if rule.unrolled:  # the fused kernel cannot expose its gate gradients
-                recurrent.attach(module, self, path)
+            if rule.unrolled:  # a fused kernel hides the gradients its rule needs
+                dispatch.attach(module, self, path)
 
 
 class ForwardHook:
@@ -89,7 +89,7 @@ def remove_hooks(model: nn.Module) -> None:
         for handle in hooks.handles:
             handle.remove()
         for module in hooks.modules.values():
-            recurrent.detach(module, hooks)
+            dispatch.detach(module, hooks)
 
 
 def module_input(args: tuple, kwargs: dict) -> Any:
@@ -111,11 +111,25 @@ def _probes(m: GhostModule, device: torch.device) -> tuple:
     )
 
 
+def attribute(module: nn.Module, dotted: str) -> Any:
+    """``module.out_proj.weight`` for ``"out_proj.weight"``: whatever is bound there now."""
+    for part in dotted.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+def parameters(module: nn.Module, rule: Rule) -> list[str]:
+    """The parameters a rule covers: the module's own, and submodules' it uses itself."""
+    own = [attr for attr, p in module._parameters.items() if isinstance(p, Tensor)]
+    return own + [attr for attr in rule.owns if isinstance(attribute(module, attr), Tensor)]
+
+
 class _Run:
     """Hook context of the ghost pass: adds the probes, records the inputs."""
 
-    def __init__(self, probes: dict[str, tuple]):
+    def __init__(self, probes: dict[str, tuple], rules: dict[str, Rule]):
         self.probes = probes
+        self.rules = rules
         self.inputs: dict[str, list] = {}
 
     def _next_call(self, path: str) -> int:
@@ -130,7 +144,7 @@ class _Run:
 
     def after_forward(self, path, module, args, kwargs, output):
         probes = self.probes.get(path)
-        if probes is None or isinstance(probes[0], dict):  # dict: run_recurrent did the work
+        if probes is None or isinstance(probes[0], dict):  # dict: run_unrolled did the work
             return None
         probe = probes[self._next_call(path)]
         if output.shape != probe.shape:
@@ -141,18 +155,19 @@ class _Run:
         self.inputs[path].append(module_input(args, kwargs))
         return output + probe
 
-    def run_recurrent(self, path, module, x, hx):
-        """A planned recurrent module's call: unrolled, with probes on every gate."""
+    def run_unrolled(self, path, module, args, kwargs):
+        """A planned module that runs itself: its rule's forward, with a probe at every site."""
         probes = self.probes[path][self._next_call(path)]
-        layout = recurrent.sequence_layout(module, x)
-        shape = next(iter(probes.values())).shape[:2]
-        if layout != shape:
+        rule = self.rules[path]
+        shapes = rule.probe_shapes(module, args, kwargs)
+        planned = {site: tuple(p.shape) for site, p in probes.items()}
+        if {site: tuple(s) for site, s in shapes.items()} != planned:
             raise RuntimeError(
-                f"dpfunc ghost clipping: module {path!r} got (steps, batch) {layout} per "
-                f"example, but the plan was made for {tuple(shape)}"
+                f"dpfunc ghost clipping: module {path!r} got per-example probe shapes "
+                f"{shapes}, but the plan was made for {planned}"
             )
         record: dict[str, Tensor] = {}
-        out = recurrent.unrolled(module, x, hx, probes, record)
+        out = rule.run(module, probes, record, *args, **kwargs)
         self.inputs[path].append(record)
         return out
 
@@ -196,7 +211,7 @@ def ghost_clip(
 
     def example_loss(probes, other, covered, example):
         merged = {k: other[k] if k in other else covered[k] for k in names}
-        run = _Run(probes)
+        run = _Run(probes, hooks.rules)
         hooks.ctx = run
         try:
             loss = loss_fn(merged, example)
@@ -227,8 +242,8 @@ def ghost_clip(
     for m in plan.modules:
         module = hooks.modules[m.path]
         used = dict(m.bound)
-        weights = {attr: params[used[attr]] if attr in used else p
-                   for attr, p in module._parameters.items() if p is not None}  # fmt: skip
+        weights = {attr: params[used[attr]] if attr in used else attribute(module, attr)
+                   for attr in parameters(module, hooks.rules[m.path])}  # fmt: skip
         for x, g in zip(inputs[m.path], out_grads[m.path]):
             got = hooks.rules[m.path].gradients(module, x, g, weights)
             for attr, name in m.attrs:
