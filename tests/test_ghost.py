@@ -1,6 +1,7 @@
 """Ghost clipping against the vmap path: same norms, same clipped sums, same steps."""
 
 import math
+from functools import partial
 import warnings
 
 import pytest
@@ -235,10 +236,12 @@ def classify(call, example):
         (nn.GRU, True, True, 1),
         (nn.GRU, False, False, 2),
         (nn.RNN, True, True, 2),
+        (partial(nn.LSTM, proj_size=2), True, True, 2),
     ],
 )
 def test_recurrent_layers_match_vmap(cell, batch_first, bidirectional, layers):
     model = cell(3, 4, num_layers=layers, bidirectional=bidirectional, batch_first=batch_first)
+    cell = type(model)
     dim = 0 if batch_first else 1
     assert_ghost_equals_vmap(
         model,
@@ -256,6 +259,10 @@ def test_recurrent_layer_with_initial_state_unbatched_and_without_bias():
     batch = (torch.randn(B, 5, 3), torch.randn(B, 1, 4))
     forward = lambda call, ex: projected(call(ex[0], ex[1])[0])  # noqa: E731
     assert_ghost_equals_vmap(gru, batch, forward, ghosted=[""])
+    lstm = nn.LSTM(3, 4, proj_size=2, bias=False)  # and an LSTM with (h0, c0) and a projection
+    batch = (torch.randn(B, 5, 3), torch.randn(B, 1, 2), torch.randn(B, 1, 4))
+    forward = lambda call, ex: projected(call(ex[0], (ex[1], ex[2]))[0])  # noqa: E731
+    assert_ghost_equals_vmap(lstm, batch, forward, ghosted=[""])
 
 
 def test_a_recurrent_module_shared_by_two_models_serves_both():

@@ -1,4 +1,4 @@
-"""``nn.RNN``, ``nn.GRU``, ``nn.LSTM`` (without ``proj_size``): unrolled into their cell operations.
+"""``nn.RNN``, ``nn.GRU``, ``nn.LSTM`` (``proj_size`` too): unrolled into their cell operations.
 
 ``nn.RNN``, ``nn.GRU`` and ``nn.LSTM`` run one fused kernel over the whole
 sequence. torch has no vmap batching rule for it, so the vmap path runs it
@@ -12,7 +12,9 @@ step with the same equations as torch's kernels, adding a zero ``probe`` to
 every gate pre-activation (its gradient is ``G``) and recording ``A``:
 
 * ``ih_l{k}[_reverse]``: the layer's input sequence times ``weight_ih``;
-* ``hh_l{k}[_reverse]``: the previous hidden state times ``weight_hh``.
+* ``hh_l{k}[_reverse]``: the previous hidden state times ``weight_hh``;
+* ``hr_l{k}[_reverse]`` (an LSTM with ``proj_size``): the unprojected hidden
+  state times ``weight_hr``.
 
 Each key names the weight and bias it feeds: ``weight_ih_l0`` and
 ``bias_ih_l0`` belong to site ``ih_l0``. Probes and records are laid out
@@ -36,11 +38,12 @@ GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 def sites(module: nn.RNNBase) -> list[str]:
     """The probe sites of ``module``, one per weight matrix, in parameter order."""
     directions = ("", "_reverse") if module.bidirectional else ("",)
+    kinds = ("ih", "hh", "hr") if module.proj_size else ("ih", "hh")
     return [
         f"{kind}_l{layer}{direction}"
         for layer in range(module.num_layers)
         for direction in directions
-        for kind in ("ih", "hh")
+        for kind in kinds
     ]
 
 
@@ -66,7 +69,7 @@ def unrolled(
     """``module(x, hx)`` computed step by step, with ``probes`` added and inputs recorded.
 
     Args:
-        module: an ``nn.RNN``, ``nn.GRU`` or ``nn.LSTM`` without ``proj_size``.
+        module: an ``nn.RNN``, ``nn.GRU`` or ``nn.LSTM``.
         x: its input, ``[T, D]`` (unbatched), ``[T, N, D]`` or, with
             ``batch_first``, ``[N, T, D]``.
         hx: the initial state as the module takes it, or ``None`` for zeros.
@@ -83,12 +86,15 @@ def unrolled(
     lstm = mode == "LSTM"
     h0, c0 = (hx if lstm else (hx, None)) if hx is not None else (None, None)
     count = module.num_layers * (2 if module.bidirectional else 1)
+    projected = module.proj_size > 0  # LSTM only: h_t = W_hr (o_t * tanh(c_t))
     if h0 is None:
-        h0 = seq.new_zeros(count, seq.shape[1], hidden)
+        h0 = seq.new_zeros(count, seq.shape[1], module.proj_size if projected else hidden)
     elif not batched:
         h0 = h0.unsqueeze(1)
-    if lstm:
-        c0 = torch.zeros_like(h0) if c0 is None else (c0 if batched else c0.unsqueeze(1))
+    if lstm and c0 is None:
+        c0 = seq.new_zeros(count, seq.shape[1], hidden)
+    elif lstm and not batched:
+        c0 = c0.unsqueeze(1)
 
     last_h, last_c = [], []
     for layer in range(module.num_layers):
@@ -108,12 +114,20 @@ def unrolled(
             # unbind, not [t]: its backward stacks the steps' gradients once, where indexing
             # would add a zero-padded [T, ...] gradient per step
             steps = zip(gates_x.unbind(0), probes["hh" + suffix].unbind(0))
-            h, c, hs = h0[k], c0[k] if lstm else None, []
-            for gates_x_t, probe_t in steps:
+            if projected:
+                w_hr = getattr(module, "weight_hr" + suffix)
+                steps = zip(*zip(*steps), probes["hr" + suffix].unbind(0))
+            h, c, hs, unprojected = h0[k], c0[k] if lstm else None, [], []
+            for gates_x_t, probe_t, *probe_hr in steps:
                 gates_h = F.linear(h, w_hh, b_hh) + probe_t
                 h, c = _cell(mode, gates_x_t, gates_h, h, c)
+                if projected:
+                    unprojected.append(h)
+                    h = F.linear(h, w_hr) + probe_hr[0]
                 hs.append(h)
             out = torch.stack(hs)  # [T, N, H] in processing order
+            if projected:
+                record["hr" + suffix] = torch.stack(unprojected)
             record["hh" + suffix] = torch.cat([h0[k].unsqueeze(0), out[:-1]])  # h_{t-1}
             outputs.append(out.flip(0) if direction else out)
             last_h.append(h)
@@ -163,8 +177,6 @@ def recurrent(module: nn.RNNBase, inputs: dict, grads: dict, weights: dict) -> d
 
 def check(module: nn.RNNBase, x, output) -> str:
     cls = torch_class(type(module)).__name__
-    if module.proj_size:
-        return "LSTM with proj_size has no ghost rule"
     own = {attr for attr, p in module._parameters.items() if p is not None}
     if not own <= set(module._flat_weights_names):
         return f"{cls} with parameters of its own has no ghost rule"
@@ -178,8 +190,9 @@ def check(module: nn.RNNBase, x, output) -> str:
 def probe_shapes(module: nn.RNNBase, args: tuple, kwargs: dict) -> dict[str, tuple[int, ...]]:
     """site -> the shape of one example's probe on that site's gate pre-activations."""
     x = args[0] if args else kwargs["input"]
-    shape = (*sequence_layout(module, x), GATES[module.mode] * module.hidden_size)
-    return dict.fromkeys(sites(module), shape)
+    layout = sequence_layout(module, x)
+    gates = (*layout, GATES[module.mode] * module.hidden_size)
+    return {s: (*layout, module.proj_size) if s.startswith("hr") else gates for s in sites(module)}
 
 
 def run(module: nn.RNNBase, probes: dict, record: dict, input, hx=None):  # noqa: A002
