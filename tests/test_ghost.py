@@ -1,8 +1,8 @@
 """Ghost clipping against the vmap path: same norms, same clipped sums, same steps."""
 
 import math
-from functools import partial
 import warnings
+from functools import partial
 
 import pytest
 import torch
