@@ -423,7 +423,8 @@ def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
         warnings.warn(
             f"dpfunc ghost clipping (method={clipper.method!r}): {scope}: "
             + "; ".join(plan.reasons)
-            + ". step.explain(params, batch) lists every parameter's path.",
+            + ". step.explain(params, batch) (a Trainer's: trainer.step_fn.explain) lists "
+            "every parameter's path.",
             UserWarning,
             stacklevel=4,
         )
