@@ -649,19 +649,56 @@ def test_auto_keeps_the_path_measured_faster_at_plan_time(monkeypatch, ghost_s, 
     remove_hooks(model)
 
 
-def test_tf32_products_make_their_modules_fall_back():
+def test_reduced_precision_matmuls_make_their_modules_fall_back():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     precision, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
     try:
         torch.set_float32_matmul_precision("highest")
         torch.backends.cudnn.allow_tf32 = True  # torch's default: the ghost sums use no cuDNN
-        assert not tf32_risk(cuda, torch.float32)
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls
-        assert tf32_risk(cuda, torch.float32)
-        assert not tf32_risk(cuda, torch.float64) and not tf32_risk(cpu, torch.float32)
+        assert not tf32_risk(cuda, torch.float32) and not tf32_risk(cpu, torch.float32)
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls on CUDA and oneDNN
+        assert tf32_risk(cuda, torch.float32) and tf32_risk(cpu, torch.float32)
+        assert not tf32_risk(cuda, torch.float64)
+        torch.set_float32_matmul_precision("highest")
+        # a step that planned under full precision plans again once bf16 matmuls are on
+        model = nn.Sequential(nn.Linear(3, 4))
+        params, buffers = dpfunc.functionalize(model)
+
+        def loss_fn(p, x):
+            return functional_call(model, (p, buffers), (x[None],)).square().sum()
+
+        step = dpfunc.make_train_step(
+            loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=0.0,
+            expected_batch_size=B, model=model, method="ghost",
+        )  # fmt: skip
+        x = torch.randn(B, 3)
+        assert step.explain(params, x)["0.weight"] == "ghost"
+        torch.set_float32_matmul_precision("medium")  # oneDNN: bf16
+        with pytest.warns(UserWarning, match="reduced-precision float32 matmuls"):
+            assert step.explain(params, x)["0.weight"].startswith("vmap: ")
     finally:
         torch.set_float32_matmul_precision(precision)
         torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def test_a_parameter_passed_as_its_own_layers_input_falls_back():
+    class SelfInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.lin(self.lin.weight) + self.lin(x)
+
+    model = SelfInput()
+    with pytest.warns(UserWarning, match="also used outside any covered module"):
+        plan = assert_ghost_equals_vmap(model, torch.randn(B, 3), ghosted=["lin"])
+    assert plan.covered == ("lin.bias",)
+
+
+def test_tied_embeddings_with_int32_tokens():
+    batch = torch.tensor([[1, 1, 2], [0, 3, 3], [6, 6, 6], [4, 0, 5], [0, 0, 0], [2, 5, 2]])
+    assert_ghost_equals_vmap(TiedLanguageModel(), batch.int(), ghosted=["embed", "out"])
 
 
 def test_construction_checks():

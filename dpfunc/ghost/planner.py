@@ -105,6 +105,9 @@ class _Analysis:
         bound = {attr: self.names.get(id(attribute(module, attr))) for attr in attrs}
         nested = torch._C._functorch.maybe_current_level() != self.level
         self.calls[path].append(_Call(bound, nested, args, kwargs))
+        for a in _torch_tree_leaves((args, kwargs)):  # a parameter as an input: its gradient
+            if isinstance(a, Tensor) and id(a) in self.names:  # also flows through the input
+                self.uses[self.names[id(a)]].add(None)
 
     def after_forward(self, path, module, args, kwargs, output):
         if self.stack and self.stack[-1] == path:
@@ -259,22 +262,40 @@ def _why_not(name, model, hooks, analysis, unclean, paths) -> str:
     return ""
 
 
+def matmul_precision() -> tuple[str, str, str]:
+    """The float32 matmul precision flags: torch's global one, CUDA's and oneDNN's (CPU)."""
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch refuses the legacy getter once a backend flag was set
+        legacy = "mixed"
+    return (
+        legacy,
+        getattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
+        getattr(torch.backends.mkldnn.matmul, "fp32_precision", "none"),
+    )
+
+
 def tf32_risk(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the ghost products (matmuls) may run in TF32 on ``device`` for ``dtype``.
+    """Whether the ghost products (matmuls) may round float32 more coarsely than IEEE float32.
 
     The norm bounds of :func:`dpfunc.ghost.bounds.linear_weight_norms` assume
-    IEEE rounding of ``dtype``; TF32 keeps 10 mantissa bits of float32's 23,
-    so a cancelling example could pass the bound hundreds of times over.
-    Matmuls use it on CUDA when ``torch.get_float32_matmul_precision()`` is
-    not ``"highest"`` (``torch.backends.cuda.matmul.allow_tf32``). The
-    convolution rule sums through matmuls too, so cuDNN's own TF32 flag does
-    not matter.
+    IEEE rounding of ``dtype``; TF32 keeps 10 mantissa bits of float32's 23
+    (bf16 7), so a cancelling example could pass the bound hundreds of times
+    over. On CUDA, matmuls use TF32 when ``torch.get_float32_matmul_precision()``
+    is not ``"highest"`` (``torch.backends.cuda.matmul.allow_tf32``); on a CPU
+    with bf16 or AMX units, oneDNN may use bf16 or TF32 when its
+    ``torch.backends.mkldnn.matmul.fp32_precision`` asks for it (``"medium"``
+    sets bf16). Any such flag counts, whether or not this CPU has the units.
+    The convolution rule sums through matmuls too, so cuDNN's own TF32 flag
+    does not matter.
     """
-    return (
-        device.type == "cuda"
-        and dtype == torch.float32
-        and torch.get_float32_matmul_precision() != "highest"
-    )
+    if dtype != torch.float32:
+        return False
+    legacy, cuda, cpu = matmul_precision()
+    exact = ("none", "ieee")
+    if device.type == "cuda":
+        return legacy != "highest" or cuda not in exact
+    return cpu not in exact
 
 
 def _disqualify(module: nn.Module, calls: list[_Call], hook_id: int) -> str:
@@ -308,8 +329,9 @@ def _disqualify(module: nn.Module, calls: list[_Call], hook_id: int) -> str:
             return "its output is not a tensor"
         if tf32_risk(out.device, out.dtype):
             return (
-                "TF32 rounds its products more than the ghost norm bound covers; set "
-                "torch.backends.cuda.matmul.allow_tf32 = False to ghost it"
+                "reduced-precision float32 matmuls (TF32 or bf16) round its products more than "
+                "the ghost norm bound covers; torch.set_float32_matmul_precision('highest') "
+                "before the first step ghosts it"
             )
         if rule.check is not None:
             why = rule.check(module, c.x, c.output)
@@ -390,6 +412,7 @@ def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
             skeleton,
             tuple((tuple(x.shape[1:]), x.dtype) for x in leaves),
             timed,
+            matmul_precision(),  # eagerly, a plan made before TF32 was turned on is not reused
         )
     plan = clipper.plans.get(key)
     if plan is not None:
