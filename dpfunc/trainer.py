@@ -115,8 +115,12 @@ class Trainer:
         progress: show a tqdm bar with loss, epsilon and examples/s.
         chunk_size: passed to :func:`~dpfunc.per_sample_grads`.
         model: the ``nn.Module`` that ``loss_fn`` calls; enables ghost
-            clipping where it is cheaper (``make_train_step(model=...)``,
-            ``method="auto"``). The result is the same either way.
+            clipping (``make_train_step(model=...)``). The result is the
+            same either way.
+        method: ``"auto"`` (ghost clipping where it is cheaper, timed once
+            per batch shape when eager), ``"ghost"`` or ``"vmap"``, as for
+            :func:`~dpfunc.make_train_step`; ``trainer.step_fn.explain(
+            trainer.params, batch)`` shows the plan.
         distributed: data-parallel training over the default
             ``torch.distributed`` process group (``dpfunc.distributed.init()``
             under ``torchrun``). ``None`` (default) turns it on exactly when a
@@ -166,6 +170,7 @@ class Trainer:
         progress: bool = True,
         chunk_size: int | None = None,
         model: nn.Module | None = None,
+        method: str = "auto",
         distributed: bool | None = None,
     ):
         n = dataset_size(dataset)
@@ -288,6 +293,7 @@ class Trainer:
             clipping=clipping,
             chunk_size=chunk_size,
             model=model,
+            method=method,
             target_quantile=target_quantile,
             quantile_learning_rate=quantile_learning_rate,
             count_noise_multiplier=count_noise_multiplier,

@@ -414,3 +414,26 @@ def test_adaptive_clipping_calibrates_the_combined_noise_and_resumes(tmp_path):
 def test_adaptive_clipping_rejects_what_it_cannot_do(overrides, match):
     with pytest.raises(ValueError, match=match):
         make(**overrides)
+
+
+@pytest.mark.parametrize("method, expected", [("ghost", "ghost"), ("vmap", "vmap: method='vmap'")])
+def test_method_reaches_the_step(method, expected):
+    model = nn.Linear(4, 2)
+    params, buffers = dpfunc.functionalize(model)
+    x, y = torch.randn(40, 4), torch.randint(0, 2, (40,))
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (xi[None],)), yi[None])
+
+    trainer = dpfunc.Trainer(
+        loss_fn, params, (x, y), optimizer=dpfunc.optim.sgd(lr=0.1), epochs=1,
+        expected_batch_size=8, clip_norm=1.0, noise_multiplier=1.0, delta=1e-4,
+        progress=False, model=model, method=method,
+    )  # fmt: skip
+    plan = trainer.step_fn.explain(trainer.params, (x[:8], y[:8]))
+    assert set(plan.values()) == {expected}
+    with pytest.raises(ValueError, match="method must be one of"):
+        dpfunc.Trainer(loss_fn, params, (x, y), optimizer=dpfunc.optim.sgd(lr=0.1), epochs=1,
+                       expected_batch_size=8, clip_norm=1.0, noise_multiplier=1.0,
+                       delta=1e-4, progress=False, model=model, method="fast")  # fmt: skip
