@@ -26,6 +26,7 @@ bench: install
 	$(PY) bench/noise.py
 	$(PY) bench/functional.py
 	$(PY) bench/trainer.py
+	$(PY) bench/hf.py
 
 demo: install
 	$(PY) examples/digits.py

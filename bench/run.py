@@ -17,7 +17,10 @@ growth of the resident set (peak reset through /proc/self/clear_refs), on CUDA
 torch.cuda.max_memory_allocated. Everything runs in float32 with torch's default threads.
 
 Adding a method is one entry in METHODS: name -> builder(model, x, y) -> (step, params),
-where step() performs one training step and params() returns the trained tensors.
+where step() performs one training step and params() returns the trained tensors. The
+builders take ``forward`` and ``criterion`` for models whose inputs are not one tensor
+(bench/hf.py: Hugging Face models on (input_ids, attention_mask)); ``x`` may then be a
+tuple of tensors, and ``y`` holds one row per example.
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ if __name__ == "__main__" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     FRESH_CACHE = os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp("-inductor")
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
@@ -160,13 +162,30 @@ WORKLOADS = {
 # --- methods: name -> builder(model, x, y) -> (step, params) ----------------------
 
 
-def nonprivate(model, x, y, compile=False):
+def call_model(call, x):
+    """The model's output on the inputs ``x``; ``call`` is the model (or a module wrapping
+    it, or its functional_call). The builders' default ``forward``."""
+    return call(x)
+
+
+def batched(tree):
+    """One example (a tensor or a tuple of them) as a batch of one."""
+    return tuple(batched(t) for t in tree) if isinstance(tree, tuple) else tree.unsqueeze(0)
+
+
+def to_device(tree):
+    return tuple(to_device(t) for t in tree) if isinstance(tree, tuple) else tree.to(DEVICE)
+
+
+def nonprivate(model, x, y, compile=False, forward=call_model, criterion=None):
     """Eager PyTorch; compiled: forward+loss under torch.compile (AOTAutograd compiles the
-    backward with it), the SGD step stays eager."""
+    backward with it), the SGD step stays eager. ``criterion`` (default cross-entropy)
+    averages over the batch."""
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    criterion = nn.CrossEntropyLoss() if criterion is None else criterion
 
     def forward_loss(x, y):
-        return F.cross_entropy(model(x), y)
+        return criterion(forward(model, x), y)
 
     loss_of = torch.compile(forward_loss) if compile else forward_loss
 
@@ -178,24 +197,30 @@ def nonprivate(model, x, y, compile=False):
     return step, lambda: list(model.parameters())
 
 
-def dpfunc_step(model, x, y, /, method, compile=False):
+def dpfunc_step(model, x, y, /, method, compile=False, forward=call_model, criterion=None):
     """dpfunc.make_train_step(..., model=model, method=method), called with a full mask;
     drawing the noise tree is timed too. ``method="auto"`` (the default) picks ghost
-    clipping where it covers the model and per-example gradients (vmap) elsewhere."""
+    clipping where it covers the model and per-example gradients (vmap) elsewhere. The
+    loss of one example is ``criterion`` on it as a batch of one. ``step.train_step``
+    is the TrainStep."""
     params, buffers = dpfunc.functionalize(model)
+    criterion = nn.CrossEntropyLoss() if criterion is None else criterion
 
     def loss_fn(p, example):
         xi, yi = example
-        out = torch.func.functional_call(model, (p, buffers), (xi.unsqueeze(0),))
-        return F.cross_entropy(out, yi.unsqueeze(0))
+
+        def call(*args, **kwargs):
+            return torch.func.functional_call(model, (p, buffers), args, kwargs)
+
+        return criterion(forward(call, batched(xi)), batched(yi))
 
     train_step = dpfunc.make_train_step(
         loss_fn, dpfunc.optim.sgd(lr=LR), clip_norm=CLIP_NORM,
-        noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=len(x),
+        noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=len(y),
         model=model, method=method,
     )  # fmt: skip
     call = torch.compile(train_step, fullgraph=True) if compile else train_step
-    mask = torch.ones(len(x), dtype=torch.bool, device=x.device)
+    mask = torch.ones(len(y), dtype=torch.bool, device=y.device)
     box = {"state": train_step.init(params), "i": 0}
 
     def step():
@@ -203,27 +228,34 @@ def dpfunc_step(model, x, y, /, method, compile=False):
         box["state"], _ = call(box["state"], (x, y), mask, noise)
         box["i"] += 1
 
+    step.train_step = train_step
     return step, lambda: list(box["state"].params.values())
 
 
-def opacus(model, x, y, mode):
-    """Opacus 1.6 make_private on a fixed batch (no Poisson sampling); modules not swapped."""
+def opacus(model, x, y, mode, forward=call_model, criterion=None):
+    """Opacus 1.6 make_private on a fixed batch (no Poisson sampling); modules not swapped.
+    ``criterion`` needs a ``reduction`` attribute ("mean"; ghost mode sets "none" and wants
+    one loss per example)."""
     from opacus import PrivacyEngine
 
+    criterion = nn.CrossEntropyLoss() if criterion is None else criterion
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=len(x))
+    tensors = (*x, y) if isinstance(x, tuple) else (x, y)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(*tensors), batch_size=len(y)
+    )
     private = PrivacyEngine().make_private(
-        module=model, optimizer=opt, data_loader=loader, criterion=nn.CrossEntropyLoss(),
+        module=model, optimizer=opt, data_loader=loader, criterion=criterion,
         noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=CLIP_NORM,
         poisson_sampling=False, grad_sample_mode=mode,
     )  # fmt: skip
     if mode == "ghost":  # ghost clipping also wraps the loss: it runs the second backward
         gsm, dp_opt, criterion, _ = private
     else:
-        (gsm, dp_opt, _), criterion = private, nn.CrossEntropyLoss()
+        gsm, dp_opt, _ = private
 
     def step():
-        criterion(gsm(x), y).backward()
+        criterion(forward(gsm, x), y).backward()
         dp_opt.step()
         dp_opt.zero_grad(set_to_none=True)
 
@@ -312,13 +344,21 @@ def other_cores(before, after, seconds: float) -> float | None:
     return max(0.0, others / os.sysconf("SC_CLK_TCK") / seconds)
 
 
-def bench_workload(name, methods, warmup: int, repeats: int, memory_steps: int, skip: dict):
-    """Builds, warms up, times (round-robin) and measures every method on one workload."""
+def bench_workload(
+    name, methods, warmup: int, repeats: int, memory_steps: int, skip: dict,
+    workloads=None, builders=None,
+):  # fmt: skip
+    """Builds, warms up, times (round-robin) and measures every method on one workload.
+
+    ``workloads`` and ``builders`` default to WORKLOADS and METHODS (bench/hf.py passes its own).
+    """
+    workloads = WORKLOADS if workloads is None else workloads
+    builders = METHODS if builders is None else builders
     torch.manual_seed(SEED)
-    model, x, y = WORKLOADS[name]()
-    model, x, y = model.to(DEVICE), x.to(DEVICE), y.to(DEVICE)
+    model, x, y = workloads[name]()
+    model, x, y = model.to(DEVICE), to_device(x), y.to(DEVICE)
     info = {
-        "batch_size": len(x),
+        "batch_size": len(y),
         "params": sum(p.numel() for p in model.parameters()),
         "methods": {},
     }
@@ -329,7 +369,7 @@ def bench_workload(name, methods, warmup: int, repeats: int, memory_steps: int, 
             out["status"] = skip[method]
             continue
         try:
-            step, params = METHODS[method](copy.deepcopy(model), x, y)
+            step, params = builders[method](copy.deepcopy(model), x, y)
             out["first_call_s"] = timed(step)  # compiles here for compiled methods
             for _ in range(warmup - 1):
                 step()
@@ -456,10 +496,18 @@ def targets_table(results: dict) -> list[str]:
 
 
 def markdown(results: dict) -> str:
+    lines = header(results, "dpfunc step benchmark") + targets_table(results) + [""]
+    if ANALYSIS.exists():
+        lines += [ANALYSIS.read_text().strip(), ""]
+    return "\n".join(lines + workload_tables(results))
+
+
+def header(results: dict, title: str) -> list[str]:
+    """The title, the machine and settings, how to read the tables (the quick-mode note)."""
     machine = results["machine"]
     load = f"{machine['load_average_at_start'][0]:.1f}, {machine['load_average_at_end'][0]:.1f}"
     lines = [
-        "# dpfunc step benchmark",
+        f"# {title}",
         "",
         f"torch {machine['torch']}, opacus {machine['opacus']}, dpfunc {machine['dpfunc']}, "
         f"python {machine['python']}; device {machine['device']} "
@@ -480,9 +528,12 @@ def markdown(results: dict) -> str:
     if results["mode"] == "quick":
         lines += ["**Quick mode: compiled methods skipped (torch.compile takes 10-30 s per "
                   "graph on this machine); run without --quick for them.**", ""]  # fmt: skip
-    lines += targets_table(results) + [""]
-    if ANALYSIS.exists():
-        lines += [ANALYSIS.read_text().strip(), ""]
+    return lines
+
+
+def workload_tables(results: dict) -> list[str]:
+    """One section per workload: a summary line and a row per method."""
+    lines = []
     for name, info in results["workloads"].items():
         methods = info["methods"]
         base = methods.get("nonprivate", {})
@@ -490,7 +541,11 @@ def markdown(results: dict) -> str:
         best_ms = methods[best]["median_ms"] if best else None
         ran = {m: v for m, v in methods.items() if "median_ms" in v}
         dp = [m for m in ran if m.startswith("dpfunc")]
-        summary = f"**{name}** (batch {info['batch_size']}, {info['params']:,} parameters): "
+        trained = info.get("trainable_params", info["params"])
+        counts = f"{info['params']:,} parameters" + (
+            f", {trained:,} trainable" if trained != info["params"] else ""
+        )
+        summary = f"**{name}** (batch {info['batch_size']}, {counts}): "
         if dp:
             fast = min(dp, key=lambda m: ran[m]["median_ms"])
             summary += (
@@ -543,7 +598,7 @@ def markdown(results: dict) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    return "\n".join(lines)
+    return lines
 
 
 def main():
@@ -560,10 +615,23 @@ def main():
             parser.error(f"unknown workload or method {name!r}")
     skip = {m: "skipped: --quick does not compile" for m in COMPILED} if args.quick else {}
 
+    start = time.perf_counter()
+    results = new_results(args.quick, settings)
+    for name in workloads:
+        print(f"{name}:", flush=True)
+        results["workloads"][name] = bench_workload(name, methods, skip=skip, **settings)
+    results["total_s"] = time.perf_counter() - start
+    results["machine"]["load_average_at_end"] = os.getloadavg()
+    if FRESH_CACHE:
+        shutil.rmtree(FRESH_CACHE, ignore_errors=True)
+    write_results(results, Path(args.out), "results", markdown(results))
+
+
+def new_results(quick: bool, settings: dict) -> dict:
+    """The results record before any workload: machine, mode, settings."""
     import opacus
 
-    start = time.perf_counter()
-    results = {
+    return {
         "machine": {
             "torch": torch.__version__, "opacus": opacus.__version__,
             "dpfunc": dpfunc.__version__, "python": platform.python_version(),
@@ -572,27 +640,22 @@ def main():
             "device": torch.cuda.get_device_name() if DEVICE.type == "cuda" else "cpu",
             "load_average_at_start": os.getloadavg(),
         },
-        "mode": "quick" if args.quick else "full",
+        "mode": "quick" if quick else "full",
         "settings": {
             **settings, "lr": LR, "clip_norm": CLIP_NORM, "noise_multiplier": NOISE_MULTIPLIER,
             "dtype": "float32", "quiet_load": QUIET_LOAD, "min_quiet": MIN_QUIET,
         },
         "workloads": {},
     }  # fmt: skip
-    for name in workloads:
-        print(f"{name}:", flush=True)
-        results["workloads"][name] = bench_workload(name, methods, skip=skip, **settings)
-    results["total_s"] = time.perf_counter() - start
-    results["machine"]["load_average_at_end"] = os.getloadavg()
-    if FRESH_CACHE:
-        shutil.rmtree(FRESH_CACHE, ignore_errors=True)
 
-    out = Path(args.out)
+
+def write_results(results: dict, out: Path, stem: str, text: str) -> None:
+    """Writes out/STEM.json (every number) and out/STEM.md (``text``), and prints the latter."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    (out / "results.md").write_text(markdown(results))
-    print(markdown(results))
-    print(f"wrote {out / 'results.json'} and {out / 'results.md'} in {results['total_s']:.0f} s")
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+    print(f"wrote {out / stem}.json and {out / stem}.md in {results['total_s']:.0f} s")
 
 
 if __name__ == "__main__":

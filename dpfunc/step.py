@@ -196,7 +196,8 @@ class TrainStep:
         reason (no rule for its layer, a use the planner cannot follow, a cost
         choice of ``method="auto"``). Eagerly with ``method="auto"`` this is
         the plan after the one-time timing of ghost against vmap, which runs
-        here if the step has not yet seen this batch shape.
+        here if the step has not yet seen this batch shape; a compiled step
+        plans by the rules' cost models alone, so its plan can differ.
 
         >>> import dpfunc, torch
         >>> from torch.func import functional_call
