@@ -5,7 +5,7 @@ The model becomes a pytree of parameters; each example's gradient comes from
 noise and average them; the step compiles with ``torch.compile``.
 """
 
-from . import accounting, audit, data, distributed, optim
+from . import accounting, audit, data, distributed, matrix_factorization, optim
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
 from .functional import check_per_example, functionalize, replace_batchnorm
 from .noise import add_noise, average, secret_seed, standard_normal_like
@@ -32,6 +32,7 @@ __all__ = [
     "functionalize",
     "groups_by_module",
     "make_train_step",
+    "matrix_factorization",
     "optim",
     "per_sample_grads",
     "per_sample_grads_and_losses",

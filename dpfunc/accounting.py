@@ -35,6 +35,17 @@ Two methods:
   A looser upper bound, and what older libraries report (TensorFlow
   Privacy, Opacus with ``accountant="rdp"``); use it to compare with them.
 
+Correlated noise (:mod:`dpfunc.matrix_factorization`, ``bands = b > 1``)
+is accounted as its amplification theorem states it (Choquette-Choo,
+Ganesh, McKenna, McMahan, Rush, Thakurta and Xu 2023, "(Amplified) Banded
+Matrix Factorization", Theorem 4): a ``b``-banded strategy normalised to
+unit column norm, with noise multiplier ``sigma`` and cyclic Poisson
+sampling at rate ``q`` within each of ``b`` partitions, is as private as
+DP-SGD with sampling rate ``q`` and noise multiplier ``sigma`` for
+``ceil(steps / b)`` steps, the number of times the first partition (and so
+any example, at most) can take part. That DP-SGD computation is what
+``bands=`` hands to ``dp_accounting``; ``bands=1`` is DP-SGD itself.
+
 For example, ``noise_multiplier=1.5``, ``sample_rate=0.04``,
 ``steps=2250``, ``delta=1e-5`` the two give epsilon 6.77 (PLD) and 7.33 (RDP).
 """
@@ -58,6 +69,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "combined_noise_multiplier",
     "epsilon",
+    "participations",
 ]
 
 METHODS = ("pld", "rdp")
@@ -91,6 +103,10 @@ def _check_sample_rate(value: Any, name: str = "sample_rate") -> float:
 
 def _check_steps(value: Any, name: str = "steps") -> int:
     return check_int(name, value)
+
+
+def _check_bands(value: Any, name: str = "bands") -> int:
+    return check_int(name, value, minimum=1)
 
 
 def _check_delta(value: Any) -> float:
@@ -196,12 +212,28 @@ def combined_noise_multiplier(noise_multiplier: float, count_noise_multiplier: f
     return (sigma**-2 + count**-2) ** -0.5
 
 
+def participations(steps: int, bands: int = 1) -> int:
+    """The most steps any example can take part in: ``ceil(steps / bands)``.
+
+    Under cyclic Poisson sampling with ``bands`` partitions, step ``t``
+    samples from partition ``t mod bands``, so partition 0 is visited at
+    steps ``0, bands, 2 bands, ...``: ``ceil(steps / bands)`` times, and no
+    partition more often. ``bands = 1`` gives ``steps``.
+
+    >>> participations(10, 4)
+    3
+    """
+    return -(-_check_steps(steps) // _check_bands(bands))
+
+
 def epsilon(
     noise_multiplier: float,
     sample_rate: float,
     steps: int,
     delta: float,
     method: str = "pld",
+    *,
+    bands: int = 1,
 ) -> float:
     """Epsilon of ``steps`` DP-SGD steps at a fixed ``delta``.
 
@@ -222,6 +254,10 @@ def epsilon(
         delta: target delta, in ``(0, 1)``; usually well below ``1 / n``.
         method: ``"pld"`` (tight, the default) or ``"rdp"`` (looser upper
             bound, what older libraries report).
+        bands: ``1`` (DP-SGD) or the band count ``b`` of a correlated-noise
+            run with cyclic Poisson sampling; ``sample_rate`` is then the
+            rate within a partition and the epsilon is DP-SGD's for
+            :func:`participations` ``(steps, b)`` steps (module docstring).
 
     Returns:
         epsilon as a Python float, an upper bound on the privacy loss.
@@ -241,10 +277,10 @@ def epsilon(
     """
     sigma = _check_noise_multiplier(noise_multiplier)
     rate = _check_sample_rate(sample_rate)
-    steps = _check_steps(steps)
+    rounds = participations(steps, bands)
     delta = _check_delta(delta)
     method = _check_method(method)
-    return _history_epsilon([(sigma, rate, steps)], delta, method)
+    return _history_epsilon([(sigma, rate, rounds)], delta, method)
 
 
 def calibrate_noise_multiplier(
@@ -253,6 +289,8 @@ def calibrate_noise_multiplier(
     sample_rate: float,
     steps: int,
     method: str = "pld",
+    *,
+    bands: int = 1,
 ) -> float:
     """The (nearly) smallest ``noise_multiplier`` whose epsilon is at most the target.
 
@@ -282,6 +320,8 @@ def calibrate_noise_multiplier(
         sample_rate: Poisson sampling probability, in ``(0, 1]``.
         steps: number of steps, an int ``>= 0``.
         method: ``"pld"`` (default) or ``"rdp"``.
+        bands: as for :func:`epsilon` (correlated noise with cyclic Poisson
+            sampling; ``1`` is DP-SGD).
 
     Returns:
         the noise multiplier as a Python float. ``0.0`` when ``steps == 0``
@@ -297,6 +337,7 @@ def calibrate_noise_multiplier(
     rate = _check_sample_rate(sample_rate)
     steps = _check_steps(steps)
     method = _check_method(method)
+    bands = _check_bands(bands)
     if steps == 0:
         return 0.0
     rtol = _CALIBRATION_RTOL
@@ -305,12 +346,12 @@ def calibrate_noise_multiplier(
         return ValueError(
             f"no noise_multiplier in [{_SIGMA_MIN}, {_SIGMA_MAX}] meets "
             f"target_epsilon={target_epsilon!r} (delta={delta!r}, "
-            f"sample_rate={sample_rate!r}, steps={steps!r}, method={method!r})"
+            f"sample_rate={sample_rate!r}, steps={steps!r}, method={method!r}, bands={bands!r})"
         )
 
     def eps(sigma: float) -> float:
         # The public function itself, so the returned sigma is checked with it.
-        return epsilon(sigma, rate, steps, delta, method)
+        return epsilon(sigma, rate, steps, delta, method, bands=bands)
 
     # First guess and initial growth factor of the bracket.
     guess, factor = 1.0, 2.0
@@ -318,7 +359,8 @@ def calibrate_noise_multiplier(
         # Outside RDP's search range: let PLD's own bracketing decide. RDP's notes
         # about orders it excludes concern only this guess, which PLD then checks.
         with contextlib.suppress(ValueError), _quiet_absl():
-            guess, factor = calibrate_noise_multiplier(target, delta, rate, steps, "rdp"), 1.1
+            guess = calibrate_noise_multiplier(target, delta, rate, steps, "rdp", bands=bands)
+            factor = 1.1
 
     # Bracket: eps(lo) > target >= eps(hi), growing the step geometrically.
     e_guess = eps(guess)
@@ -394,6 +436,13 @@ class Accountant:
 
     Results are cached per ``delta`` until the history changes.
 
+    With ``bands = b > 1`` (correlated noise with cyclic Poisson sampling)
+    the history counts logical steps and the epsilon is that of
+    :func:`participations` ``(steps, b)`` DP-SGD steps (see the module
+    docstring). The amplification theorem is stated for one noise
+    multiplier and one sampling rate, so such an accountant takes one
+    setting only.
+
     >>> acc = Accountant(method="rdp")
     >>> for _ in range(3):
     ...     acc.step(1.0, 0.01)
@@ -404,9 +453,10 @@ class Accountant:
     13
     """
 
-    def __init__(self, method: str = "pld") -> None:
-        """Raises ValueError if ``method`` is not ``"pld"`` or ``"rdp"``."""
+    def __init__(self, method: str = "pld", *, bands: int = 1) -> None:
+        """Raises ValueError if ``method`` is not ``"pld"`` or ``"rdp"``, or ``bands < 1``."""
         self._method = _check_method(method)
+        self._bands = _check_bands(bands)
         self._history: list[list] = []  # [noise_multiplier, sample_rate, steps]
         self._cache: dict[float, float] = {}
 
@@ -414,6 +464,11 @@ class Accountant:
     def method(self) -> str:
         """The accounting method, ``"pld"`` or ``"rdp"``."""
         return self._method
+
+    @property
+    def bands(self) -> int:
+        """``1`` for DP-SGD, else the band count of a correlated-noise run."""
+        return self._bands
 
     @property
     def history(self) -> History:
@@ -433,7 +488,8 @@ class Accountant:
 
         Raises:
             ValueError: ``noise_multiplier < 0`` or not finite, ``sample_rate``
-                outside ``(0, 1]``, ``steps`` not an int ``>= 0``.
+                outside ``(0, 1]``, ``steps`` not an int ``>= 0``, or, with
+                ``bands > 1``, a setting other than the one recorded.
         """
         sigma = _check_noise_multiplier(noise_multiplier)
         rate = _check_sample_rate(sample_rate)
@@ -443,8 +499,14 @@ class Accountant:
     def _append(self, sigma: float, rate: float, steps: int) -> None:
         if steps == 0:
             return
-        self._cache.clear()
         last = self._history[-1] if self._history else None
+        if self._bands > 1 and last is not None and (last[0], last[1]) != (sigma, rate):
+            raise ValueError(
+                f"an accountant with bands={self._bands} takes one (noise_multiplier, "
+                f"sample_rate) setting, the one the amplification theorem covers; it has "
+                f"({last[0]!r}, {last[1]!r}), got ({sigma!r}, {rate!r})"
+            )
+        self._cache.clear()
         if last is not None and last[0] == sigma and last[1] == rate:
             last[2] += steps
         else:
@@ -458,24 +520,29 @@ class Accountant:
         """
         delta = _check_delta(delta)
         if delta not in self._cache:
-            self._cache[delta] = _history_epsilon(self.history, delta, self._method)
+            history = self.history
+            if self._bands > 1:  # one setting (see _append): its participations
+                history = [(s, q, participations(t, self._bands)) for s, q, t in history]
+            self._cache[delta] = _history_epsilon(history, delta, self._method)
         return self._cache[delta]
 
     def state_dict(self) -> dict:
-        """Plain-Python state: ``{"method": str, "history": [[float, float, int], ...]}``.
+        """Plain-Python state: ``{"method": str, "bands": int, "history": [[float, float, int], ...]}``.
 
         Safe for ``torch.save`` / ``torch.load(weights_only=True)`` and JSON.
         """
         return {
             "method": self._method,
+            "bands": self._bands,
             "history": [[float(s), float(q), int(t)] for s, q, t in self._history],
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Replaces method and history with those of ``state_dict``.
 
-        The dict must have exactly the keys ``"method"`` and ``"history"``;
-        each history entry must be a list or tuple ``[noise_multiplier,
+        The dict must have the keys ``"method"`` and ``"history"``, and may
+        have ``"bands"`` (absent in states saved before correlated noise
+        existed: ``1``); each history entry must be a list or tuple ``[noise_multiplier,
         sample_rate, steps]`` passing the same checks as :meth:`step`.
         Consecutive equal entries are merged. Nothing changes if it fails.
 
@@ -485,12 +552,13 @@ class Accountant:
         if not isinstance(state_dict, dict):
             raise ValueError(f"state_dict must be a dict, got state_dict={state_dict!r}")
         keys = set(state_dict)
-        if keys != {"method", "history"}:
+        if keys not in ({"method", "history"}, {"method", "history", "bands"}):
             raise ValueError(
-                "state_dict must have exactly the keys 'history' and 'method', "
+                "state_dict must have the keys 'history' and 'method', and may have 'bands', "
                 f"got keys {sorted(map(repr, keys))}"
             )
         method = _check_method(state_dict["method"], "state_dict['method']")
+        bands = _check_bands(state_dict.get("bands", 1), "state_dict['bands']")
         history = state_dict["history"]
         if not isinstance(history, (list, tuple)):
             raise ValueError(
@@ -510,11 +578,14 @@ class Accountant:
                     _check_steps(entry[2], f"{where}[2] (steps)"),
                 )
             )
-        self._method = method
-        self._history = []
-        self._cache.clear()
+        trial = Accountant(method, bands=bands)
         for run in runs:
-            self._append(*run)
+            trial._append(*run)
+        self._method, self._bands, self._history = method, bands, trial._history
+        self._cache.clear()
 
     def __repr__(self) -> str:
-        return f"Accountant(method={self._method!r}, steps={self.steps}, runs={len(self._history)})"
+        return (
+            f"Accountant(method={self._method!r}, bands={self._bands}, steps={self.steps}, "
+            f"runs={len(self._history)})"
+        )

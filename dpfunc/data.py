@@ -24,6 +24,14 @@ sums the step accumulates before adding noise once. An empty logical batch
 is still one (all-padding) micro-batch: the step must still happen (it
 releases noise only) and the accountant counts it.
 
+Cyclic Poisson sampling serves correlated noise (:mod:`dpfunc.matrix_factorization`):
+with ``bands = b > 1`` the examples are split once into ``b`` partitions by a
+permutation keyed by the seed, and step ``t`` Poisson-samples, with rate
+``sample_rate``, from partition ``t mod b`` only (Choquette-Choo et al.
+2023, "(Amplified) Banded Matrix Factorization", whose amplification theorem
+covers this sampler). Each example's participations are then at least ``b``
+steps apart. ``bands = 1`` is plain Poisson sampling, bit for bit.
+
 The sample of step ``t`` depends only on ``(seed, t)``: resuming a run needs
 only its step count, and every rank of a distributed job draws the same
 logical batch without communicating. ``split_for_rank`` then gives each rank
@@ -52,9 +60,11 @@ MicroBatch = tuple[PyTree, Tensor]  # (batch with leading dim physical_batch_siz
 
 __all__ = [
     "PoissonBatches",
+    "cyclic_poisson_sample",
     "dataset_size",
     "micro_batches",
     "num_micro_batches",
+    "partitions",
     "poisson_sample",
     "split_for_rank",
 ]
@@ -103,6 +113,69 @@ def poisson_sample(num_examples: int, sample_rate: float, *, seed: int, step: in
     generator = keyed_generator("dpfunc.poisson", seed, step, torch.device("cpu"))
     keep = torch.rand(num_examples, generator=generator, dtype=torch.float64) < sample_rate
     return torch.nonzero(keep).flatten().to(torch.int64)
+
+
+def partitions(num_examples: int, bands: int, *, seed: int) -> list[Tensor]:
+    """The ``bands`` disjoint partitions of cyclic Poisson sampling, fixed by ``seed``.
+
+    A permutation of ``range(num_examples)`` from a generator keyed by the
+    seed (:func:`dpfunc.noise.keyed_generator`, its own domain) is cut into
+    ``bands`` consecutive pieces; the first ``num_examples % bands`` pieces
+    hold one example more than the others. Every example is in exactly one
+    partition, and none is dropped. The split is as secret as the seed, but
+    the privacy analysis does not rely on its secrecy: it holds for any
+    split made without looking at the data.
+
+    Returns:
+        ``bands`` sorted int64 index tensors; ``bands = 1`` gives
+        ``[arange(num_examples)]``.
+
+    Raises:
+        ValueError: ``bands`` is not an int in ``[1, num_examples]``, or
+            another argument is out of range.
+    """
+    check_int("num_examples", num_examples, minimum=1)
+    check_int("bands", bands, minimum=1)
+    if bands > num_examples:
+        raise ValueError(
+            f"bands must be at most num_examples={num_examples} (every partition needs an "
+            f"example), got bands={bands!r}"
+        )
+    check_seed(seed)
+    if bands == 1:
+        return [torch.arange(num_examples)]
+    generator = keyed_generator("dpfunc.partition", seed, 0, torch.device("cpu"))
+    order = torch.randperm(num_examples, generator=generator)
+    small, extra = divmod(num_examples, bands)
+    sizes = [small + 1] * extra + [small] * (bands - extra)
+    return [piece.sort().values for piece in torch.split(order, sizes)]
+
+
+def cyclic_poisson_sample(
+    partition: Tensor, sample_rate: float, *, seed: int, step: int
+) -> Tensor:
+    """Step ``step``'s logical batch under cyclic Poisson sampling: a Poisson sample of ``partition``.
+
+    Each member of ``partition`` (step ``t`` uses ``partitions(...)[t %
+    bands]``) is kept independently with probability ``sample_rate``, from
+    the same keyed stream as :func:`poisson_sample`, so for the whole data
+    set as one partition it returns :func:`poisson_sample`'s indices bit
+    for bit.
+
+    Returns:
+        The sorted int64 indices of the sampled examples (possibly none).
+
+    Raises:
+        ValueError: an argument is out of range or of the wrong type.
+    """
+    if not isinstance(partition, Tensor) or partition.dim() != 1 or partition.numel() < 1:
+        raise ValueError(f"partition must be a non-empty 1-D index tensor, got {partition!r}")
+    check_number("sample_rate", sample_rate, low=0, high=1, low_open=True)
+    check_seed(seed)
+    check_int("step", step, minimum=0)
+    generator = keyed_generator("dpfunc.poisson", seed, step, torch.device("cpu"))
+    keep = torch.rand(partition.numel(), generator=generator, dtype=torch.float64) < sample_rate
+    return partition[keep].to(torch.int64)
 
 
 def split_for_rank(indices: Tensor, rank: int, world_size: int) -> Tensor:
@@ -328,7 +401,8 @@ class PoissonBatches:
 
     Args:
         dataset: any kind that ``dataset_size`` accepts, with >= 1 example.
-        sample_rate: the Poisson inclusion probability, in ``(0, 1]``.
+        sample_rate: the Poisson inclusion probability, in ``(0, 1]``; with
+            ``bands > 1``, within the step's partition.
         physical_batch_size: rows per micro-batch, an int >= 1.
         seed: the run's secret, a non-negative int; ``None`` (default) draws
             a fresh one with :func:`dpfunc.secret_seed`. Whoever knows it
@@ -338,6 +412,9 @@ class PoissonBatches:
             ``None`` is refused there.
         rank: this process's rank, in ``[0, world_size)``.
         world_size: the number of ranks, an int >= 1.
+        bands: ``1`` (default) for Poisson sampling from the whole data set;
+            ``b > 1`` for cyclic Poisson sampling over ``b`` partitions
+            (:func:`partitions`), as correlated noise with ``b`` bands needs.
 
     Raises:
         ValueError: an argument is out of range, or the dataset is empty.
@@ -353,6 +430,7 @@ class PoissonBatches:
         seed: int | None = None,
         rank: int = 0,
         world_size: int = 1,
+        bands: int = 1,
     ) -> None:
         num_examples = dataset_size(dataset)
         if num_examples < 1:
@@ -370,6 +448,8 @@ class PoissonBatches:
                 )
             seed = secret_seed()
         check_seed(seed)
+        self.partitions = partitions(num_examples, bands, seed=seed)
+        self.bands = bands
         self.dataset = dataset
         self.num_examples = num_examples
         self.sample_rate = sample_rate
@@ -380,12 +460,21 @@ class PoissonBatches:
 
     @property
     def expected_batch_size(self) -> float:
-        """``sample_rate * num_examples``: the denominator of the private average."""
-        return self.sample_rate * self.num_examples
+        """``sample_rate * num_examples / bands``: the denominator of the private average.
+
+        With ``bands > 1`` partitions differ in size by at most one example,
+        so a step's expected batch differs from this constant by less than
+        ``sample_rate``; the denominator is this one number for every step,
+        which depends on nothing but public sizes.
+        """
+        return self.sample_rate * self.num_examples / self.bands
 
     def indices(self, step: int) -> Tensor:
         """Step ``step``'s whole logical batch (the same on every rank)."""
-        return poisson_sample(self.num_examples, self.sample_rate, seed=self.seed, step=step)
+        if self.bands == 1:
+            return poisson_sample(self.num_examples, self.sample_rate, seed=self.seed, step=step)
+        partition = self.partitions[step % self.bands]
+        return cyclic_poisson_sample(partition, self.sample_rate, seed=self.seed, step=step)
 
     def counts_per_rank(self, step: int) -> list[int]:
         """The number of real examples in each rank's share of step ``step``."""
@@ -441,7 +530,7 @@ class PoissonBatches:
         return (  # the seed is a secret: never in a repr or a log
             f"PoissonBatches(num_examples={self.num_examples}, sample_rate={self.sample_rate}, "
             f"physical_batch_size={self.physical_batch_size}, seed=<secret>, "
-            f"rank={self.rank}, world_size={self.world_size})"
+            f"rank={self.rank}, world_size={self.world_size}, bands={self.bands})"
         )
 
 

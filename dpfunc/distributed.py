@@ -487,6 +487,7 @@ class DistributedTrainStep(TrainStep):
                 "noise_multiplier": self.noise_multiplier,
                 "expected_batch_size": self.expected_batch_size,
                 "clipping": self.clipping,
+                "bands": self.bands,
                 "params": [(tuple(x.shape), str(x.dtype)) for x in tree_leaves(params)],
             },
             "make_train_step settings",
@@ -591,6 +592,7 @@ def make_train_step(
     target_quantile: float | None = None,
     quantile_learning_rate: float = 0.2,
     count_noise_multiplier: float | None = None,
+    bands: int = 1,
 ) -> DistributedTrainStep:
     """:func:`dpfunc.make_train_step` for data-parallel training on a process group.
 
@@ -619,4 +621,5 @@ def make_train_step(
         target_quantile=target_quantile,
         quantile_learning_rate=quantile_learning_rate,
         count_noise_multiplier=count_noise_multiplier,
+        bands=bands,
     )

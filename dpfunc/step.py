@@ -38,6 +38,7 @@ from .clipping import (
     unclipped_count,
 )
 from .ghost import GhostClipper, ghost_clip
+from .matrix_factorization import correlated_noise, init_noise_history, normalized_coefficients
 from .noise import add_noise, average, check_expected_batch_size
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_zeros_like
@@ -53,6 +54,9 @@ class TrainState(NamedTuple):
     clip_norm: (
         Tensor  # shape (), float64: the clip norm of the next step (adaptive clipping moves it)
     )
+    # correlated noise (bands b > 1): each leaf [b - 1, *param.shape], the last b - 1
+    # correlated draws, newest first (dpfunc.matrix_factorization); {} for DP-SGD
+    noise_history: Params = {}  # noqa: RUF012 (never mutated: states are replaced, not changed)
 
 
 class ExampleStats(NamedTuple):
@@ -117,6 +121,7 @@ class TrainStep:
         target_quantile: float | None = None,
         quantile_learning_rate: float = 0.2,
         count_noise_multiplier: float | None = None,
+        bands: int = 1,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -156,6 +161,14 @@ class TrainStep:
                     "per-example norms from a finite starting clip_norm; it needs "
                     f"clipping='flat', got clipping={clipping!r}, clip_norm={clip_norm!r}"
                 )
+        check_int("bands", bands, minimum=1)
+        if bands > 1 and target_quantile is not None:
+            raise ValueError(
+                "adaptive clipping (target_quantile) is not combined with correlated noise: "
+                "the amplification theorem for bands > 1 is stated for one fixed clip norm and "
+                "no other release; use target_quantile=None or bands=1, got "
+                f"target_quantile={target_quantile!r}, bands={bands!r}"
+            )
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         if method == "ghost" and model is None:
@@ -176,6 +189,9 @@ class TrainStep:
         self.count_noise_multiplier = (
             None if count_noise_multiplier is None else float(count_noise_multiplier)
         )
+        self.bands = bands
+        # the strategy C with unit column norm: noise_multiplier is the accountant's
+        self.coefficients = normalized_coefficients(bands)
         use_ghost = model is not None and method != "vmap"
         self._ghost = GhostClipper(model, loss_fn, method) if use_ghost else None
         # sensitivity of the clipped sum is clip_norm in every mode
@@ -185,7 +201,8 @@ class TrainStep:
         """The state before the first step; ``params`` are not copied or changed."""
         step = torch.zeros((), dtype=torch.int64)
         clip_norm = torch.tensor(self.clip_norm, dtype=torch.float64)
-        return TrainState(params, self.optimizer.init(params), step, clip_norm)
+        history = init_noise_history(params, self.bands)
+        return TrainState(params, self.optimizer.init(params), step, clip_norm, history)
 
     def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
         """How each trainable parameter is clipped for batches shaped like ``batch``.
@@ -309,7 +326,12 @@ class TrainStep:
     ) -> TrainState:
         """Noises the logical batch's clipped sum once, averages, and updates.
 
-        With adaptive clipping, also releases ``count`` (from
+        With ``bands > 1`` the noise added is the correlated draw
+        :func:`~dpfunc.matrix_factorization.correlated_noise` makes from
+        ``noise`` and ``state.noise_history`` (the banded square root,
+        normalised to unit column norm), and the new state carries the
+        updated history; ``noise`` is still the step's independent
+        standard-normal tree. With adaptive clipping, also releases ``count`` (from
         :meth:`unclipped_count`) with noise ``count_noise_multiplier *
         count_noise`` (``count_noise``: a standard normal 0-d tensor from
         ``standard_normal_like(..., stream="count")``) and moves
@@ -334,10 +356,13 @@ class TrainStep:
                 self.target_quantile,
                 self.quantile_learning_rate,
             )
+        history = state.noise_history
+        if self.bands > 1:
+            noise, history = correlated_noise(noise, history, self.coefficients)
         private = average(add_noise(summed, noise, std), self.expected_batch_size)
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1, clip_norm)
+        return TrainState(params, opt_state, state.step + 1, clip_norm, history)
 
     def __call__(
         self,
@@ -369,6 +394,7 @@ def make_train_step(
     target_quantile: float | None = None,
     quantile_learning_rate: float = 0.2,
     count_noise_multiplier: float | None = None,
+    bands: int = 1,
 ) -> TrainStep:
     """Builds the DP-SGD step (Abadi et al. 2016).
 
@@ -427,6 +453,17 @@ def make_train_step(
         quantile_learning_rate: ``eta > 0`` of the geometric update.
         count_noise_multiplier: the standard deviation of the count's noise
             (its sensitivity is 1); required with ``target_quantile``.
+        bands: ``1`` (default): DP-SGD, independent noise every step.
+            ``b > 1``: correlated noise, the banded square root
+            factorization with ``b`` bands (DP-BandMF; Kalinin and Lampert
+            2024; see :mod:`dpfunc.matrix_factorization`): step ``t`` adds
+            ``noise_multiplier * clip_norm * w_t`` with ``w = C^{-1} z`` for
+            the strategy ``C`` normalised to unit column norm, keeping the
+            last ``b - 1`` draws in ``state.noise_history`` (``b - 1`` extra
+            copies of the parameters). Its privacy needs cyclic Poisson
+            sampling (``PoissonBatches(..., bands=b)``) and is accounted with
+            ``dpfunc.accounting`` ``bands=b``; ``expected_batch_size`` is then
+            ``sample_rate * num_examples / b``. Not with ``target_quantile``.
 
     Returns:
         A :class:`TrainStep` ``step`` with ``step.init(params) -> state`` and
@@ -460,4 +497,5 @@ def make_train_step(
         target_quantile=target_quantile,
         quantile_learning_rate=quantile_learning_rate,
         count_noise_multiplier=count_noise_multiplier,
+        bands=bands,
     )

@@ -91,6 +91,19 @@ class Trainer:
             :func:`dpfunc.accounting.combined_noise_multiplier`; with
             ``target_epsilon``, the calibration solves for that combined
             multiplier and gives the gradient noise what the count leaves.
+        bands: ``1`` (default): DP-SGD, independent noise at every step and
+            Poisson sampling from the whole data set. ``b > 1``: correlated
+            noise with the banded square root factorization of ``b`` bands
+            (:mod:`dpfunc.matrix_factorization`) and cyclic Poisson sampling:
+            the data is split once, secretly, into ``b`` partitions and step
+            ``t`` samples from partition ``t mod b`` at rate
+            ``expected_batch_size * b / num_examples`` (so
+            ``expected_batch_size`` can be at most ``num_examples / b``).
+            Each example then takes part in at most ``ceil(steps / b)``
+            steps, and the run is accounted as DP-SGD with that many steps
+            at that rate (Choquette-Choo et al. 2023, Theorem 4; see
+            :mod:`dpfunc.accounting`). Costs ``b - 1`` extra copies of the
+            parameters. Not with ``target_quantile``.
         accounting: ``"pld"`` (default, tight) or ``"rdp"``.
         epsilon_budget: stop before a step would make epsilon exceed this.
         eval_fn: ``eval_fn(params) -> dict[str, float]`` called after each
@@ -159,6 +172,7 @@ class Trainer:
         target_quantile: float | None = None,
         quantile_learning_rate: float = 0.2,
         count_noise_multiplier: float | None = None,
+        bands: int = 1,
         accounting: str = "pld",
         epsilon_budget: float | None = None,
         eval_fn: Callable[[Params], dict[str, float]] | None = None,
@@ -190,6 +204,19 @@ class Trainer:
             "expected_batch_size", expected_batch_size, low=0, high=n, low_open=True,
             note="(at most the dataset size)",
         )  # fmt: skip
+        check_int("bands", bands, minimum=1)
+        if bands > 1 and target_quantile is not None:
+            raise ValueError(
+                "adaptive clipping (target_quantile) is not combined with correlated noise "
+                f"(bands > 1); got target_quantile={target_quantile!r}, bands={bands!r}"
+            )
+        if expected_batch_size * bands > n:
+            raise ValueError(
+                f"with bands={bands} each step samples from one of {bands} partitions of about "
+                f"{n / bands:.6g} examples, so expected_batch_size must be at most "
+                f"num_examples / bands = {n / bands:.6g}, got "
+                f"expected_batch_size={expected_batch_size!r}"
+            )
         if (noise_multiplier is None) == (target_epsilon is None):
             raise ValueError(
                 "give exactly one of noise_multiplier and target_epsilon, got "
@@ -219,7 +246,8 @@ class Trainer:
             raise ValueError(f"secure_noise must be a bool, got secure_noise={secure_noise!r}")
 
         self.num_examples = n
-        self.sample_rate = expected_batch_size / n
+        self.bands = bands
+        self.sample_rate = expected_batch_size * bands / n  # within a partition if bands > 1
         self.steps_per_epoch = max(1, round(n / expected_batch_size))
         self.total_steps = max(1, round(epochs * self.steps_per_epoch))
         self.delta = delta
@@ -230,7 +258,12 @@ class Trainer:
                          high_open=True)  # fmt: skip
         if target_epsilon is not None:
             accounted = calibrate_noise_multiplier(
-                target_epsilon, delta, self.sample_rate, self.total_steps, method=accounting
+                target_epsilon,
+                delta,
+                self.sample_rate,
+                self.total_steps,
+                method=accounting,
+                bands=bands,
             )
             noise_multiplier = accounted
             if target_quantile is not None:  # the count takes its share of the budget
@@ -270,6 +303,7 @@ class Trainer:
                     "clip_norm": clip_norm,
                     "clipping": clipping,
                     "adaptive": (target_quantile, quantile_learning_rate, count_noise_multiplier),
+                    "bands": bands,
                     "seed": seed,
                     "secure_noise": secure_noise,
                     "expected_batch_size": expected_batch_size,
@@ -297,6 +331,7 @@ class Trainer:
             target_quantile=target_quantile,
             quantile_learning_rate=quantile_learning_rate,
             count_noise_multiplier=count_noise_multiplier,
+            bands=bands,
         )
         self._accumulate = self.step_fn.accumulate
         # distributed: the all-reduce runs eagerly between the compiled pieces
@@ -311,9 +346,10 @@ class Trainer:
             seed=seed,
             rank=self.rank,
             world_size=self.world_size,
+            bands=bands,
         )
         self.state: TrainState = self.step_fn.init(params)  # distributed: rank 0's params
-        self.accountant = Accountant(method=accounting)
+        self.accountant = Accountant(method=accounting, bands=bands)
         self.history: list[dict[str, float]] = []
         self._budget_steps: int | None = None  # see _last_step_within_budget
         self._noise_ahead: tuple[tuple[int, int, bool], Future] | None = None  # see _noise
@@ -488,7 +524,7 @@ class Trainer:
         def within(steps: int) -> bool:
             if steps == 0:
                 return True
-            trial = Accountant(method=self.accountant.method)
+            trial = Accountant(method=self.accountant.method, bands=self.bands)
             trial.step(self.accounted_noise_multiplier, self.sample_rate, steps)
             return trial.epsilon(self.delta) <= self.epsilon_budget
 
@@ -511,6 +547,7 @@ class Trainer:
             "target_quantile": self.step_fn.target_quantile,
             "quantile_learning_rate": self.step_fn.quantile_learning_rate,
             "count_noise_multiplier": self.step_fn.count_noise_multiplier,
+            "bands": self.bands,
             "seed": self.seed,
             "secure_noise": self.secure_noise,
             "accounting": self.accountant.method,
@@ -678,7 +715,8 @@ class Trainer:
                 "that seed; for a private run, start anew with seed=None."
             )
         for key, value in ours.items():
-            if key != "seed" and saved.get(key) != value:
+            # "bands" is absent from checkpoints written before correlated noise: DP-SGD
+            if key != "seed" and saved.get(key, 1 if key == "bands" else None) != value:
                 raise ValueError(
                     f"checkpoint {os.fspath(path)!r} was written with {key}={saved.get(key)!r}, "
                     f"but this trainer has {key}={value!r}"
@@ -693,7 +731,7 @@ class Trainer:
                 f"checkpoint {os.fspath(path)!r} holds a state whose tensors do not match "
                 "this trainer's parameters and optimizer"
             )
-        accountant = Accountant(method=self.accountant.method)
+        accountant = Accountant(method=self.accountant.method, bands=self.bands)
         accountant.load_state_dict(checkpoint["accountant"])
         leaves = [a.to(b.device) for a, b in zip(leaves, current)]  # each rank's own device
         state = optree.tree_unflatten(spec, leaves)

@@ -194,7 +194,7 @@ def test_state_dict_round_trip_through_torch_checkpoint(tmp_path, method):
     path = tmp_path / "ckpt.pt"
     torch.save({"accountant": acc.state_dict()}, path)
     state = torch.load(path, weights_only=True)["accountant"]
-    assert state == {"method": method, "history": [[2.5, 0.04, 100], [2.0, 0.04, 50]]}
+    assert state == {"method": method, "bands": 1, "history": [[2.5, 0.04, 100], [2.0, 0.04, 50]]}
 
     restored = Accountant(method="rdp" if method == "pld" else "pld")
     restored.step(3.0, 0.5)  # replaced by the load
