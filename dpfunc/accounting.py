@@ -527,7 +527,7 @@ class Accountant:
         return self._cache[delta]
 
     def state_dict(self) -> dict:
-        """Plain-Python state: ``{"method": str, "bands": int, "history": [[float, float, int], ...]}``.
+        """Plain-Python state: ``{"method": str, "bands": int, "history": [[float, float, int]]}``.
 
         Safe for ``torch.save`` / ``torch.load(weights_only=True)`` and JSON.
         """

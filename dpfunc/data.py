@@ -151,10 +151,8 @@ def partitions(num_examples: int, bands: int, *, seed: int) -> list[Tensor]:
     return [piece.sort().values for piece in torch.split(order, sizes)]
 
 
-def cyclic_poisson_sample(
-    partition: Tensor, sample_rate: float, *, seed: int, step: int
-) -> Tensor:
-    """Step ``step``'s logical batch under cyclic Poisson sampling: a Poisson sample of ``partition``.
+def cyclic_poisson_sample(partition: Tensor, sample_rate: float, *, seed: int, step: int) -> Tensor:
+    """Step ``step``'s batch under cyclic Poisson sampling: a Poisson sample of ``partition``.
 
     Each member of ``partition`` (step ``t`` uses ``partitions(...)[t %
     bands]``) is kept independently with probability ``sample_rate``, from

@@ -223,6 +223,8 @@ def trainer_resume(rank: int, outdir: str) -> dict:
     drawn = make_trainer(seed=None)  # rank 0 draws the secret and broadcasts it
     adaptive = make_trainer(target_quantile=0.5, count_noise_multiplier=3.0, clip_norm=0.05)
     adaptive.fit(max_steps=3)  # the count comes from every rank's examples, noised once
+    banded = make_trainer(bands=2)  # correlated noise: the same draws and history everywhere
+    banded.fit(max_steps=4)
     try:  # the checkpoint's seed is a fixed one: a seed=None trainer must not adopt it
         make_trainer(seed=None).load(checkpoint)
     except ValueError as error:
@@ -241,6 +243,7 @@ def trainer_resume(rank: int, outdir: str) -> dict:
         "fresh_steps": fresh.steps_done,
         "drawn_seed": drawn.seed,
         "adaptive": (adaptive.params, adaptive.clip_norm),
+        "banded": (banded.params, banded.state.noise_history, banded.epsilon()),
     }
 
 
@@ -433,6 +436,15 @@ def test_trainer_resumes_a_two_rank_run_bit_identically(main_run):
         assert clip_norm == pytest.approx(alone.clip_norm, rel=1e-12)
         for k in params:
             torch.testing.assert_close(params[k], alone.params[k], rtol=0, atol=1e-6)
+    banded = make_trainer(distributed=False, bands=2)
+    banded.fit(max_steps=4)
+    for r in range(2):
+        params, history, epsilon = resumed[r]["banded"]
+        assert epsilon == banded.epsilon()
+        for k in params:
+            torch.testing.assert_close(params[k], banded.params[k], rtol=0, atol=1e-6)
+            assert torch.equal(history[k], resumed[0]["banded"][1][k])
+            torch.testing.assert_close(history[k], banded.state.noise_history[k])
     assert resumed[0]["drawn_seed"].bit_length() > 200
     assert "could not be loaded on ranks [1]" in resumed[0]["errors"]["load"]
     assert (
