@@ -27,6 +27,7 @@ bench: install
 	$(PY) bench/functional.py
 	$(PY) bench/trainer.py
 	$(PY) bench/hf.py
+	$(PY) bench/correlated.py
 
 demo: install
 	$(PY) examples/digits.py

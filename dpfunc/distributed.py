@@ -602,7 +602,10 @@ def make_train_step(
     num_examples`` of the whole dataset). Call everything on every rank:
     ``init`` broadcasts rank 0's parameters; ``apply`` and ``__call__``
     all-reduce the clipped sums, then add the shared ``noise`` once (see the
-    module docstring for why no broadcast is needed).
+    module docstring for why no broadcast is needed). With ``bands > 1`` the
+    correlated noise is the same on every rank too: it is a function of the
+    shared standard-normal trees and of the noise history in the state,
+    which every rank updates identically.
 
     Raises:
         RuntimeError: no process group is initialised (call :func:`init`).

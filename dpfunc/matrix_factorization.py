@@ -64,6 +64,7 @@ __all__ = [
     "correlated_noise",
     "init_noise_history",
     "normalized_coefficients",
+    "solve_recurrence",
     "strategy_matrix",
 ]
 
@@ -185,22 +186,35 @@ def correlated_noise(
     values = _check_coefficients(coefficients)
     if len(values) == 1:
         check_same_structure(history, {}, "history", "the empty history of bands=1")
-        return tree_map(lambda z: z / values[0], noise), history
-    if tree_structure(history) != tree_structure(noise):
+    elif tree_structure(history) != tree_structure(noise):
         raise ValueError(
             "history must have the tree structure of noise (one stacked tensor per leaf); got "
             f"{tree_structure(history)} and {tree_structure(noise)}"
         )
-
-    def solve(z: Tensor, past: Tensor) -> tuple[Tensor, Tensor]:
+    for z, past in zip(tree_leaves(noise), tree_leaves(history)):
         if past.shape != (len(values) - 1, *z.shape):
             raise ValueError(
                 f"history leaves must have shape {(len(values) - 1, *z.shape)} for "
                 f"{len(values)} coefficients, got {tuple(past.shape)}"
             )
-        weights = torch.tensor(values[1:], dtype=past.dtype, device=past.device)
+    return solve_recurrence(noise, history, values)
+
+
+def solve_recurrence(
+    noise: Params, history: Params, coefficients: tuple[float, ...]
+) -> tuple[Params, Params]:
+    """:func:`correlated_noise` without its checks, for the compiled step.
+
+    ``coefficients`` must be a tuple of floats already checked (the step
+    checks them once when it is built), and the trees must match.
+    """
+    if len(coefficients) == 1:
+        return tree_map(lambda z: z / coefficients[0], noise), history
+
+    def solve(z: Tensor, past: Tensor) -> tuple[Tensor, Tensor]:
+        weights = torch.tensor(coefficients[1:], dtype=past.dtype, device=past.device)
         earlier = torch.tensordot(weights, past, dims=1)
-        w = (z - earlier) / values[0]
+        w = (z - earlier) / coefficients[0]
         return w, torch.cat([w.to(past.dtype).unsqueeze(0), past[:-1]])
 
     spec = tree_structure(noise)

@@ -38,7 +38,7 @@ from .clipping import (
     unclipped_count,
 )
 from .ghost import GhostClipper, ghost_clip
-from .matrix_factorization import correlated_noise, init_noise_history, normalized_coefficients
+from .matrix_factorization import init_noise_history, normalized_coefficients, solve_recurrence
 from .noise import add_noise, average, check_expected_batch_size
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_zeros_like
@@ -358,7 +358,7 @@ class TrainStep:
             )
         history = state.noise_history
         if self.bands > 1:
-            noise, history = correlated_noise(noise, history, self.coefficients)
+            noise, history = solve_recurrence(noise, history, self.coefficients)
         private = average(add_noise(summed, noise, std), self.expected_batch_size)
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
