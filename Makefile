@@ -1,9 +1,14 @@
 # dpfunc: `make install` once (idempotent), then `make test` / `make demo`.
+# `make test-wheel` is what CI runs: the suite against the built wheel, installed
+# into a fresh virtual environment, with no source tree on the path.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+EXTRAS := test,bench,examples,secure,hf
+WHEEL_VENV ?= build/wheel-venv
+WHEEL_TESTS ?= build/wheel-tests
 
-.PHONY: install test lint bench demo clean
+.PHONY: install test test-wheel lint bench demo clean
 
 install: $(STAMP)
 
@@ -11,11 +16,25 @@ $(STAMP): pyproject.toml requirements-dev.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
-	$(PY) -m pip install --quiet -e ".[test,bench,examples,secure,hf]"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
 test: install
 	$(PY) -m pytest dpfunc tests -q
+
+# The wheel as users get it: built, installed (not editable) into a new venv, and
+# tested from a copy of tests/, examples/ and the docs that holds no dpfunc/ source.
+test-wheel:
+	rm -rf build/dist $(WHEEL_VENV) $(WHEEL_TESTS)
+	python3 -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip wheel --quiet --no-deps -w build/dist .
+	$(WHEEL_VENV)/bin/python -m pip install --quiet -r requirements-dev.txt
+	$(WHEEL_VENV)/bin/python -m pip install --quiet "$$(ls build/dist/dpfunc-*.whl)[$(EXTRAS)]"
+	mkdir -p $(WHEEL_TESTS)
+	cp -r tests examples docs README.md pyproject.toml $(WHEEL_TESTS)/
+	cd $(WHEEL_TESTS) && DPFUNC_TEST_INSTALLED=1 $(abspath $(WHEEL_VENV))/bin/python -P -m pytest \
+		--pyargs dpfunc tests -q -p no:cacheprovider
 
 lint: install
 	$(VENV)/bin/ruff check dpfunc tests examples bench
@@ -33,4 +52,4 @@ demo: install
 	$(PY) examples/digits.py
 
 clean:
-	rm -rf $(VENV) results .pytest_cache .hypothesis
+	rm -rf $(VENV) build results .pytest_cache .hypothesis
