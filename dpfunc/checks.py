@@ -18,7 +18,9 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_choice", "check_int", "check_number"]
+import torch
+
+__all__ = ["check_choice", "check_int", "check_number", "check_params"]
 
 
 def _fail(name: str, requirement: str, value: Any) -> ValueError:
@@ -102,3 +104,36 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in choices:
         raise _fail(name, "one of " + ", ".join(repr(c) for c in choices), value)
     return value
+
+
+def check_params(params: Any) -> None:
+    """Refuses a parameter dict that DP-SGD cannot train.
+
+    ``params`` must be a non-empty dict of floating-point tensors, as
+    :func:`dpfunc.functionalize` returns for a module with trainable
+    parameters (frozen ones are left out there).
+
+    >>> import torch
+    >>> check_params({"w": torch.zeros(2, dtype=torch.int64)})
+    Traceback (most recent call last):
+    ...
+    TypeError: params['w'] has dtype torch.int64; only floating-point tensors have gradients (keep integer state in buffers)
+    """
+    if not isinstance(params, dict):
+        raise TypeError(
+            "params must be a dict of name -> tensor, as dpfunc.functionalize(model)[0] "
+            f"returns, got {type(params).__name__}"
+        )
+    if not params:
+        raise ValueError(
+            "params holds no trainable parameters (is every parameter frozen with "
+            "requires_grad=False?); unfreeze at least one"
+        )
+    for name, value in params.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"params[{name!r}] must be a tensor, got {type(value).__name__}")
+        if not value.dtype.is_floating_point:
+            raise TypeError(
+                f"params[{name!r}] has dtype {value.dtype}; only floating-point tensors have "
+                "gradients (keep integer state in buffers)"
+            )

@@ -44,13 +44,25 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator, Sequence
+import sys
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
 import torch
 from torch import Tensor
-from torch.utils.data import TensorDataset, default_collate
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    TensorDataset,
+    default_collate,
+    default_convert,
+)
 
 from .checks import check_int, check_number
 from .noise import check_seed, keyed_generator, secret_seed
@@ -60,6 +72,7 @@ MicroBatch = tuple[PyTree, Tensor]  # (batch with leading dim physical_batch_siz
 
 __all__ = [
     "PoissonBatches",
+    "as_dataset",
     "cyclic_poisson_sample",
     "dataset_size",
     "micro_batches",
@@ -219,65 +232,173 @@ def num_micro_batches(batch_size: int, physical_batch_size: int) -> int:
     return max(1, math.ceil(batch_size / physical_batch_size))
 
 
-# --------------------------------------------------------------------------- gathering
+# --------------------------------------------------------------------------- datasets
+
+ACCEPTED_DATASETS = (
+    "a Tensor or numpy array of rows; a tuple or list of tensors or numpy arrays, read as "
+    "columns with a common leading size, e.g. (x, y); a map-style dataset (__len__ and "
+    "__getitem__(int) returning tensors, numbers, numpy arrays or tuples/lists/dicts of them), "
+    "e.g. a TensorDataset; a DataLoader over one of these; or a Hugging Face datasets.Dataset "
+    "with numeric or image columns"
+)
+
+
+def as_dataset(dataset: Any) -> Any:
+    """``dataset`` in the form that the rest of this module gathers rows from.
+
+    Every function here that takes a dataset calls this first, so a
+    :class:`dpfunc.Trainer` can be handed any accepted form as it is. The
+    forms, checked in this order:
+
+    - a ``torch.utils.data.DataLoader``: its ``.dataset`` is read (any form
+      below), with a ``UserWarning``: its sampler, ``shuffle`` and batch
+      size give way to Poisson sampling, which the privacy accounting
+      assumes (each example joins each step independently; a shuffled
+      fixed-size batch is a different mechanism). A loader whose sampler
+      or batch sampler may choose WHICH examples are used (anything but
+      ``SequentialSampler``, ``RandomSampler`` and ``DistributedSampler``,
+      which only order or deal out the whole dataset) is refused, and so
+      is a custom ``collate_fn``: ignoring either would silently train on
+      other examples than the loader yields (a subset, an augmentation, a
+      tokenisation, a mix of examples), and a silent change of the data is
+      worse than an error. Pass ``torch.utils.data.Subset(dataset,
+      indices)`` and do per-example work in ``__getitem__`` instead.
+    - a ``Tensor`` of rows along dim 0, returned as is;
+    - a numpy array of rows: ``torch.from_numpy`` (no copy, dtype kept);
+    - a tuple or list of tensors or numpy arrays (mixed allowed): COLUMNS
+      with a common leading size, e.g. ``(x, y)``; returned as a tuple of
+      tensors, so batches of a list dataset are tuples too. A list of one
+      tensor per example is read as columns as well: stack it
+      (``torch.stack``) into a Tensor first. A tuple whose elements are
+      not all tensors or arrays is refused (``(x, labels_list)`` would
+      otherwise be a dataset of 2 examples);
+    - a ``TensorDataset``: the tuple of its tensors;
+    - a Hugging Face ``datasets.Dataset`` (when ``datasets`` is installed):
+      rows come from its ``"torch"`` format, so every example is a dict of
+      tensors, as ``dataset.with_format("torch")`` yields it (floats as
+      float32, integers as int64, images decoded to uint8). Only the
+      columns the dataset's format selects are read; each must be numeric
+      (bool, int, float, a class label, lists or arrays of them) or an
+      image, else it is refused by name: remove it
+      (``dataset.remove_columns``) or select the others
+      (``dataset.select_columns``). Rows are read per batch, never all at
+      once. Every column must have one shape across the examples it
+      batches (pad tokenised text to a fixed length);
+    - any other map-style dataset (``__len__`` and ``__getitem__(int)``,
+      e.g. a ``torch.utils.data.Dataset`` with per-example transforms,
+      ``Subset``, or a list of examples): returned as is; rows are its
+      items, read one by one.
+
+    Iterable datasets (``torch.utils.data.IterableDataset``, Hugging Face
+    ``IterableDataset``, generators, iterators) are refused: Poisson
+    sampling includes every example independently at every step, so it
+    must read any example by its index, and the accountant needs the
+    number of examples. So are dicts (pass the columns as a tuple),
+    strings, a ``DatasetDict`` (pick a split) and anything else.
+
+    Returns:
+        A ``Tensor``, a tuple of tensors, or a map-style dataset.
+        ``as_dataset(as_dataset(d))`` is ``as_dataset(d)``.
+
+    Raises:
+        TypeError: a refused form, a non-numeric numpy dtype (named), or
+            non-numeric Hugging Face columns (named). Every message names
+            the accepted forms.
+        ValueError: a 0-d tensor or array, columns whose leading sizes
+            differ (the sizes are named), or an empty tuple or list.
+
+    >>> import numpy as np
+    >>> x, y = as_dataset((np.zeros((3, 2)), [1, 0, 1]))
+    Traceback (most recent call last):
+    ...
+    TypeError: dataset is a tuple, read as columns, but its element 1 is a list...
+    >>> x, y = as_dataset([np.zeros((3, 2)), torch.tensor([1, 0, 1])])
+    >>> x.dtype, y.tolist(), dataset_size((x, y))
+    (torch.float64, [1, 0, 1], 3)
+    """
+    if isinstance(dataset, DataLoader):
+        return _loader_dataset(dataset)
+    if isinstance(dataset, Tensor):
+        if dataset.dim() == 0:
+            raise _refusal(ValueError, "dataset must have rows along dim 0, got a 0-d tensor")
+        return dataset
+    if _is_ndarray(dataset):
+        return as_dataset(_from_numpy(dataset, "dataset"))
+    if isinstance(dataset, (tuple, list)) and (
+        isinstance(dataset, tuple) or any(_is_column(c) for c in dataset)
+    ):
+        return _columns(dataset)
+    if isinstance(dataset, TensorDataset):
+        return tuple(dataset.tensors)
+    if isinstance(dataset, _HuggingFaceRows):
+        return dataset
+    hf = _hugging_face_kind(dataset)
+    if hf == "Dataset":
+        return _HuggingFaceRows(dataset)
+    if hf == "DatasetDict":
+        raise _refusal(
+            TypeError,
+            f"dataset is a Hugging Face DatasetDict with splits {list(dataset)}; pass one "
+            "split, e.g. dataset['train']",
+        )
+    if isinstance(dataset, IterableDataset) or (
+        isinstance(dataset, Iterable) and not _is_indexable(dataset)
+    ):
+        raise _refusal(
+            TypeError,
+            f"dataset is a {type(dataset).__name__}, an iterable without random access: "
+            "Poisson sampling includes each example independently at every step, so it must "
+            "read any example by its index, and the accountant needs the number of examples; "
+            "gather the examples into one of the accepted forms first",
+        )
+    if isinstance(dataset, (Mapping, str, bytes)):
+        raise _refusal(
+            TypeError,
+            f"dataset is a {type(dataset).__name__}, which would be read as "
+            f"{len(dataset)} examples keyed by 0, 1, ...; pass columns as a tuple, e.g. "
+            "(x, y)",
+        )
+    if _is_indexable(dataset):
+        return dataset
+    raise _refusal(TypeError, f"dataset of type {type(dataset).__name__} is not a dataset")
 
 
 def dataset_size(dataset: Any) -> int:
-    """The number of examples (rows) in ``dataset``.
-
-    Supported datasets, checked in this order:
-
-    (a) a ``Tensor`` of rows along dim 0;
-    (b) a tuple whose elements are ALL tensors, read as columns with a
-        common leading size (e.g. ``(x, y)``). A list of tensors is refused:
-        it could be columns or one tensor per example, and reading examples
-        as columns would clip across people;
-    (c) a ``torch.utils.data.TensorDataset``;
-    (d) any object with ``__len__`` and ``__getitem__(int)`` returning a
-        tensor, a number, or a (nested) tuple / dict of them.
+    """The number of examples (rows) in ``dataset``, any form :func:`as_dataset` accepts.
 
     Raises:
-        TypeError: ``dataset`` is none of these, or a list of tensors.
-        ValueError: a 0-d tensor, or columns of (b) with different leading sizes.
+        TypeError, ValueError: as :func:`as_dataset`.
+
+    >>> dataset_size((torch.zeros(5, 3), torch.zeros(5)))
+    5
     """
+    dataset = as_dataset(dataset)
     if isinstance(dataset, Tensor):
-        if dataset.dim() == 0:
-            raise ValueError("dataset must have rows along dim 0, got a 0-d tensor")
         return dataset.shape[0]
-    if _is_columns(dataset):
-        return _columns_size(dataset)
-    if isinstance(dataset, list) and dataset and all(isinstance(t, Tensor) for t in dataset):
-        raise TypeError(
-            f"dataset is a list of {len(dataset)} tensors, which is ambiguous: pass columns "
-            "as a tuple, e.g. (x, y), or one tensor per example stacked into a Tensor or a "
-            "TensorDataset"
-        )
-    if isinstance(dataset, TensorDataset):
-        return len(dataset)
-    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        return len(dataset)
-    raise TypeError(
-        "dataset must be a Tensor, a tuple/list of tensors, a TensorDataset, or an "
-        f"object with __len__ and __getitem__; got dataset of type {type(dataset).__name__}"
-    )
+    if isinstance(dataset, tuple):
+        return dataset[0].shape[0]
+    return len(dataset)
 
 
 def dataset_fingerprint(dataset: Any, rows: int = 64) -> str:
     """A SHA-256 of ``dataset``'s size and contents, to check that ranks hold the same data.
 
-    Tensor datasets ((a) to (c) of :func:`dataset_size`) are hashed whole;
-    other indexable datasets through ``rows`` evenly spaced examples (and
-    their size). Data-parallel DP-SGD needs the SAME dataset in the same order
-    on every rank: index ``i`` must be the same person everywhere, or one
-    person could be sampled on two ranks in one step.
+    Tensors and columns (and so numpy arrays and a ``TensorDataset``, which
+    :func:`as_dataset` turns into them) are hashed whole; other datasets
+    through ``rows`` evenly spaced examples (and their size). Data-parallel
+    DP-SGD needs the SAME dataset in the same order on every rank: index
+    ``i`` must be the same person everywhere, or one person could be
+    sampled on two ranks in one step.
+
+    Raises:
+        TypeError, ValueError: as :func:`as_dataset`.
     """
+    dataset = as_dataset(dataset)
     size = dataset_size(dataset)
     digest = hashlib.sha256(str(size).encode())
-    if isinstance(dataset, TensorDataset):
-        tensors = list(dataset.tensors)
-    elif isinstance(dataset, Tensor):
+    if isinstance(dataset, Tensor):
         tensors = [dataset]
-    elif _is_columns(dataset):
+    elif isinstance(dataset, tuple):
         tensors = list(dataset)
     else:
         picks = sorted({round(k * (size - 1) / max(rows - 1, 1)) for k in range(rows)})
@@ -291,6 +412,9 @@ def dataset_fingerprint(dataset: Any, rows: int = 64) -> str:
         digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------- gathering
 
 
 def micro_batches(
@@ -348,6 +472,7 @@ def micro_batches(
         raise ValueError(
             f"mask_dtype must be a floating torch.dtype, got mask_dtype={mask_dtype!r}"
         )
+    dataset = as_dataset(dataset)
     size = dataset_size(dataset)
     if size < 1:
         raise ValueError("dataset must hold at least one example (row 0 pads), got 0 examples")
@@ -445,16 +570,27 @@ class PoissonBatches:
                     "e.g. seed=dpfunc.distributed.shared_secret_seed()"
                 )
             seed = secret_seed()
-        check_seed(seed)
-        self.partitions = partitions(num_examples, bands, seed=seed)
+        check_int("bands", bands, minimum=1)
         self.bands = bands
         self.dataset = dataset
         self.num_examples = num_examples
         self.sample_rate = sample_rate
         self.physical_batch_size = physical_batch_size
-        self.seed = seed
+        self.seed = seed  # derives the partitions
         self.rank = rank
         self.world_size = world_size
+
+    @property
+    def seed(self) -> int:
+        """The secret that keys the sample of every step (and the partitions)."""
+        return self._seed
+
+    @seed.setter
+    def seed(self, seed: int) -> None:
+        """Adopts another secret (e.g. a resumed run's): everything it keys is derived again."""
+        check_seed(seed)
+        self.partitions = partitions(self.num_examples, self.bands, seed=seed)
+        self._seed = seed
 
     @property
     def expected_batch_size(self) -> float:
@@ -545,23 +681,173 @@ def _share_size(count: int, rank: int, world_size: int) -> int:
     return max(0, (count - rank + world_size - 1) // world_size)
 
 
-def _is_columns(dataset: Any) -> bool:
-    return (
-        isinstance(dataset, tuple)
-        and len(dataset) > 0
-        and all(isinstance(t, Tensor) for t in dataset)
-    )
+def _refusal(kind: type[Exception], reason: str) -> Exception:
+    """``kind(reason)`` followed by the one list of accepted forms, shared by every refusal."""
+    return kind(f"{reason}. dpfunc accepts {ACCEPTED_DATASETS}")
 
 
-def _columns_size(columns: Sequence[Tensor]) -> int:
-    if any(t.dim() == 0 for t in columns):
-        raise ValueError("every tensor of a tuple/list dataset must have rows along dim 0")
-    sizes = [t.shape[0] for t in columns]
-    if len(set(sizes)) != 1:
-        raise ValueError(
-            f"the tensors of a tuple/list dataset must share their leading size, got sizes {sizes}"
+def _is_indexable(dataset: Any) -> bool:
+    return hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+
+
+def _is_ndarray(value: Any) -> bool:
+    numpy = sys.modules.get("numpy")  # an array exists only if numpy is imported
+    return numpy is not None and isinstance(value, numpy.ndarray)
+
+
+def _is_column(value: Any) -> bool:
+    return isinstance(value, Tensor) or _is_ndarray(value)
+
+
+def _from_numpy(array: Any, what: str) -> Tensor:
+    """A tensor sharing ``array``'s memory where torch can (a copy only if it cannot)."""
+    if array.dtype.kind not in "biufc":  # bool, int, uint, float, complex
+        raise _refusal(
+            TypeError,
+            f"{what} is a numpy array of dtype {array.dtype}, which is not numeric; convert it "
+            "to numbers first (e.g. class labels to int64)",
         )
-    return sizes[0]
+    if not array.dtype.isnative:  # torch reads native byte order only
+        array = array.astype(array.dtype.newbyteorder("="))
+    if any(stride < 0 for stride in array.strides):  # e.g. x[::-1]: torch needs >= 0
+        array = array.copy()
+    with warnings.catch_warnings():
+        # a read-only array is fine: rows are only ever read (index_select copies them)
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
+
+
+def _columns(columns: Sequence[Any]) -> tuple[Tensor, ...]:
+    kind = type(columns).__name__
+    if not columns:
+        raise _refusal(ValueError, f"dataset is an empty {kind}, which holds no columns")
+    for k, column in enumerate(columns):
+        if not _is_column(column):
+            raise _refusal(
+                TypeError,
+                f"dataset is a {kind}, read as columns, but its element {k} is a "
+                f"{type(column).__name__}, not a tensor or numpy array; convert it with "
+                "torch.as_tensor",
+            )
+    tensors = tuple(
+        _from_numpy(c, f"column {k} of the dataset") if _is_ndarray(c) else c
+        for k, c in enumerate(columns)
+    )
+    for k, t in enumerate(tensors):
+        if t.dim() == 0:
+            raise _refusal(
+                ValueError, f"column {k} of the {kind} dataset is 0-d; every column needs rows"
+            )
+    sizes = [t.shape[0] for t in tensors]
+    if len(set(sizes)) != 1:
+        raise _refusal(
+            ValueError,
+            f"the columns of a {kind} dataset must share their leading size (one row per "
+            f"example), got sizes {sizes}; one tensor per example must be stacked first "
+            "(torch.stack)",
+        )
+    return tensors
+
+
+def _loader_dataset(loader: DataLoader) -> Any:
+    """The dataset behind ``loader``, after checking that ignoring the loader changes no example."""
+    dataset = as_dataset(loader.dataset)  # refuses an iterable dataset, with its reason
+    sampler, batch_sampler = loader.sampler, loader.batch_sampler
+    if type(sampler) not in (SequentialSampler, RandomSampler, DistributedSampler) or (
+        batch_sampler is not None and type(batch_sampler) is not BatchSampler
+    ):
+        chooser = sampler if type(batch_sampler) in (BatchSampler, type(None)) else batch_sampler
+        raise _refusal(
+            TypeError,
+            f"the DataLoader's {type(chooser).__name__} may choose which examples are used, "
+            "and dpfunc reads the loader's whole dataset with Poisson sampling; pass the "
+            "examples to train on as a dataset, e.g. torch.utils.data.Subset(dataset, indices)",
+        )
+    if loader.collate_fn not in (default_collate, default_convert):
+        raise _refusal(
+            TypeError,
+            f"the DataLoader has a custom collate_fn ({loader.collate_fn!r}), which dpfunc "
+            "would not call: it gathers fixed-shape micro-batches itself, so ignoring the "
+            "collate_fn would train on other examples than the loader yields; do per-example "
+            "work in the dataset's __getitem__ and pass the dataset",
+        )
+    warnings.warn(
+        f"dpfunc reads the DataLoader's dataset ({dataset_size(dataset)} examples) and not its "
+        f"sampler ({type(sampler).__name__}), shuffle or batch_size={loader.batch_size}: "
+        "every step draws its examples by Poisson sampling (each example independently with "
+        "probability sample_rate), which the privacy accounting assumes; pass the dataset "
+        "itself to silence this warning",
+        UserWarning,
+        stacklevel=4,
+    )
+    return dataset
+
+
+def _hugging_face_kind(dataset: Any) -> str | None:
+    """``"Dataset"`` or ``"DatasetDict"`` for those Hugging Face types, else ``None``."""
+    hf = sys.modules.get("datasets")  # a Hugging Face dataset exists only if this is imported
+    for name in ("Dataset", "DatasetDict"):
+        cls = getattr(hf, name, None)
+        if isinstance(cls, type) and isinstance(dataset, cls):
+            return name
+    return None
+
+
+class _HuggingFaceRows:
+    """A Hugging Face ``datasets.Dataset`` read through its torch format, a batch at a time.
+
+    ``with_format`` returns a view on the same Arrow table: nothing is
+    copied until rows are read.
+    """
+
+    def __init__(self, table: Any) -> None:
+        columns = table.format["columns"]
+        if columns is None:
+            columns = table.column_names
+        refused = [
+            f"{name!r} ({table.features[name]})"
+            for name in columns
+            if not _hf_numeric(table.features[name])
+        ]
+        if refused:
+            raise _refusal(
+                TypeError,
+                f"the Hugging Face dataset's columns {', '.join(refused)} are neither numeric "
+                "nor images; remove them (dataset.remove_columns) or select the others "
+                "(dataset.select_columns), after turning what the model needs into numbers "
+                "(e.g. tokenising text with padding to a fixed length)",
+            )
+        self.table = table.with_format("torch", columns=columns)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return self.table[i]
+
+    def rows(self, indices: Tensor) -> dict[str, Tensor]:
+        batch = self.table[indices.tolist()]
+        for name, column in batch.items():
+            if not isinstance(column, Tensor):
+                raise ValueError(
+                    f"column {name!r} of the Hugging Face dataset holds examples of different "
+                    "shapes, which cannot share a micro-batch; pad them to one shape (e.g. "
+                    "padding='max_length' when tokenising) or remove the column"
+                )
+        return batch
+
+
+def _hf_numeric(feature: Any) -> bool:
+    """Whether a Hugging Face feature's torch format is a tensor of numbers."""
+    kind = type(feature).__name__
+    if kind == "Value" or kind.startswith("Array"):  # Value, Array2D ... Array5D
+        dtype = str(feature.dtype)
+        return dtype == "bool" or dtype.startswith(("int", "uint", "float"))
+    if kind in ("List", "LargeList", "Sequence"):
+        return _hf_numeric(feature.feature)
+    if kind == "Image":
+        return bool(feature.decode)
+    return kind == "ClassLabel"
 
 
 def _as_indices(indices: Any, size: int) -> Tensor:
@@ -589,13 +875,13 @@ def _as_indices(indices: Any, size: int) -> Tensor:
 
 
 def _gather(dataset: Any, indices: Tensor, count: int) -> PyTree:
-    """``dataset`` rows at ``indices`` as one pytree of leading dim ``len(indices)``."""
+    """Rows at ``indices`` of an :func:`as_dataset` form, one pytree of leading dim ``len(indices)``."""
     if isinstance(dataset, Tensor):
         return dataset.index_select(0, indices.to(dataset.device))
-    if _is_columns(dataset):
+    if isinstance(dataset, tuple):
         return tuple(t.index_select(0, indices.to(t.device)) for t in dataset)
-    if isinstance(dataset, TensorDataset):
-        return tuple(t.index_select(0, indices.to(t.device)) for t in dataset.tensors)
+    if isinstance(dataset, _HuggingFaceRows):
+        return dataset.rows(indices)
     return _gather_items(dataset, indices, count)
 
 
@@ -616,9 +902,10 @@ def _gather_items(dataset: Any, indices: Tensor, count: int) -> PyTree:
     for k in range(spec.num_leaves):
         collated = default_collate([leaves[k] for leaves, _ in flat])
         if not isinstance(collated, Tensor):
-            raise TypeError(
-                "dataset items must hold tensors or numbers; leaf "
-                f"{k} collates to {type(collated).__name__}"
+            raise _refusal(
+                TypeError,
+                f"leaf {k} of dataset[{positions[0]}] is a {type(flat[0][0][k]).__name__}, "
+                f"which collates to a {type(collated).__name__}, not a tensor",
             )
         columns.append(collated)
     return optree.tree_unflatten(spec, columns)

@@ -32,7 +32,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from . import distributed as _distributed
 from . import optim
 from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
-from .checks import check_int, check_number
+from .checks import check_choice, check_int, check_number, check_params
 from .data import PoissonBatches, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .per_sample import LossFn
@@ -52,6 +52,7 @@ from .step import ExampleStats, TrainState, make_train_step, summarize
 from .tree import Params
 
 CHECKPOINT_VERSION = 2  # 2: the secret seed and the noise kind
+NONFINITE = ("warn", "error")
 
 
 class Trainer:
@@ -124,7 +125,11 @@ class Trainer:
             fast but not cryptographically secure.
         compile: run the step through ``torch.compile(fullgraph=True)``.
         checkpoint_path: where :meth:`fit` saves after every epoch (and
-            every ``checkpoint_every`` steps if given).
+            every ``checkpoint_every`` steps if given). Its directory must
+            exist. If the file exists, the Trainer resumes from it when it is
+            built (with a warning that says so), so rerunning an interrupted
+            script continues the run instead of overwriting it; a checkpoint
+            of other privacy settings is refused (:meth:`load`).
         progress: show a tqdm bar with loss, epsilon and examples/s.
         chunk_size: passed to :func:`~dpfunc.per_sample_grads`.
         model: the ``nn.Module`` that ``loss_fn`` calls; enables ghost
@@ -152,6 +157,20 @@ class Trainer:
             or hangs makes the others raise
             :class:`dpfunc.distributed.CollectiveError` after the process
             group's timeout (``dpfunc.distributed.init(timeout_s=...)``).
+        nonfinite: what to do about examples whose gradient norm is NaN or
+            inf (NaN data, an overflowing loss). They are always left out of
+            the clipped sum, which keeps the guarantee: leaving out an example
+            is what clipping its gradient to norm 0 gives. ``"warn"``
+            (default) warns the first time, with the count and likely causes,
+            and counts them in the history; a step whose examples are all
+            non-finite raises :class:`FloatingPointError` (training on would
+            move the parameters by noise alone). ``"error"`` raises at the
+            first such example. The count reads the data without noise: a
+            diagnostic, not a private statistic.
+
+    Raises:
+        ValueError, TypeError: an argument is invalid; every argument is
+            checked here, before any training.
     """
 
     def __init__(
@@ -186,8 +205,29 @@ class Trainer:
         model: nn.Module | None = None,
         method: str = "auto",
         distributed: bool | None = None,
+        nonfinite: str = "warn",
     ):
         n = dataset_size(dataset)
+        if n < 1:
+            raise ValueError("dataset is empty: DP-SGD needs at least one example, got 0")
+        check_params(params)
+        check_number("clip_norm", clip_norm, low=0, low_open=True, note="(inf disables clipping)")
+        if math.isinf(clip_norm) and (target_epsilon is not None or noise_multiplier != 0):
+            raise ValueError(
+                "clip_norm=inf leaves each example's influence unbounded, so no noise makes the "
+                "run private; give a finite clip_norm (or noise_multiplier=0 for a non-private "
+                "baseline)"
+            )
+        if target_epsilon is not None:
+            check_number("target_epsilon", target_epsilon, low=0, low_open=True, high_open=True)
+        if eval_fn is not None and not callable(eval_fn):
+            raise TypeError(
+                "eval_fn must be a callable eval_fn(params) -> dict[str, float] or None, got "
+                f"eval_fn={eval_fn!r}"
+            )
+        check_choice("nonfinite", nonfinite, NONFINITE)
+        if checkpoint_path is not None:
+            _check_checkpoint_path(checkpoint_path)
         if distributed is None:
             distributed = _distributed.is_initialized()
         elif distributed and not _distributed.is_initialized():
@@ -246,6 +286,7 @@ class Trainer:
             raise ValueError(f"secure_noise must be a bool, got secure_noise={secure_noise!r}")
 
         self.num_examples = n
+        self.expected_batch_size = float(expected_batch_size)
         self.bands = bands
         self.sample_rate = expected_batch_size * bands / n  # within a partition if bands > 1
         self.steps_per_epoch = max(1, round(n / expected_batch_size))
@@ -284,15 +325,16 @@ class Trainer:
         self._seed_secret = seed is None  # drawn from the OS CSPRNG, here or by a loaded run
         if seed is None:
             seed = _distributed.shared_secret_seed() if self.distributed else secret_seed()
-        self.seed = seed
         self.secure_noise = secure_noise
         if secure_noise:  # without cryptography, fail here rather than at the first step
-            standard_normal_like({}, seed=self.seed, step=0, secure=True)
+            standard_normal_like({}, seed=seed, step=0, secure=True)
         self.epsilon_budget = epsilon_budget
         self.eval_fn = eval_fn
         self.progress = progress
         self.checkpoint_path = checkpoint_path
         self.checkpoint_every = checkpoint_every
+        self.nonfinite = nonfinite
+        self._warned_nonfinite = False
 
         if self.distributed:
             _distributed.check_same_across_ranks(
@@ -353,10 +395,41 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self._budget_steps: int | None = None  # see _last_step_within_budget
         self._noise_ahead: tuple[tuple[int, int, bool], Future] | None = None  # see _noise
+        if epsilon_budget is not None:
+            one_step = self._epsilon_after(1)
+            if one_step > epsilon_budget:
+                raise ValueError(
+                    f"epsilon_budget={epsilon_budget!r} at delta={delta!r} does not allow a single "
+                    f"step: one step already spends epsilon={one_step:.4g}; raise the budget or "
+                    "the noise"
+                )
+        if self.noise_multiplier > expected_batch_size:
+            warnings.warn(
+                f"noise_multiplier={self.noise_multiplier:.6g} exceeds expected_batch_size="
+                f"{expected_batch_size!r}: the noise on every coordinate of the averaged update "
+                "is larger than a whole clipped gradient, so training will hardly move. Raise "
+                "target_epsilon or expected_batch_size, or train fewer epochs.",
+                stacklevel=2,
+            )
+        if checkpoint_path is not None and os.path.exists(checkpoint_path):
+            # A rerun of the same command continues the run: overwriting the checkpoint
+            # would lose its steps, and its accounting with them.
+            self.load(checkpoint_path)
+            warnings.warn(
+                f"resumed from the existing checkpoint_path={os.fspath(checkpoint_path)!r} at "
+                f"step {self.steps_done} of {self.total_steps}; to start a new run, give another "
+                "path or delete that file",
+                stacklevel=2,
+            )
 
     @property
     def params(self) -> Params:
         return self.state.params
+
+    @property
+    def seed(self) -> int:
+        """The secret that keys the samples, the partitions and the noise (never print it)."""
+        return self.batches.seed
 
     @property
     def clip_norm(self) -> float:
@@ -403,6 +476,8 @@ class Trainer:
         if self.distributed:  # this rank's share -> the whole logical batch
             summed = self.step_fn.all_reduce(summed, step=t)
             stats = self.step_fn.gather_stats(stats, step=t)
+        metrics = {k: float(v) for k, v in summarize(stats).items()}
+        self._check_nonfinite(t, metrics)  # before anything is released
         noise = self._noise(t)  # the same on every rank, added once to the global sum
         count = count_noise = None
         if adaptive:  # the whole logical batch's count, noised once from its own stream
@@ -414,7 +489,34 @@ class Trainer:
         # accounted before the release: an interruption can only over-count
         self.accountant.step(self.accounted_noise_multiplier, self.sample_rate)
         self.state = self._apply(self.state, summed, noise, count, count_noise)
-        return {k: float(v) for k, v in summarize(stats).items()}
+        return metrics
+
+    def _check_nonfinite(self, t: int, metrics: dict[str, float]) -> None:
+        """Makes examples with a NaN/inf loss or gradient visible (see ``nonfinite``)."""
+        bad, real = int(metrics["nonfinite"]), int(metrics["batch_size"])
+        if not bad:
+            return
+        what = (
+            f"step {t + 1}: {bad} of its {real} examples have a non-finite (NaN or inf) "
+            "gradient norm; they are left out of the sum (which keeps the privacy guarantee). "
+            "Likely causes: NaN or inf in the data, a loss that overflows (log of 0, a "
+            "learning rate too large for the model), or reduced precision out of range"
+        )
+        if self.nonfinite == "error":
+            raise FloatingPointError(what + " (nonfinite='error').")
+        if bad == real:
+            raise FloatingPointError(
+                what + ": every example of the step; training on would move the parameters by "
+                "the noise alone."
+            )
+        if not self._warned_nonfinite:
+            self._warned_nonfinite = True
+            warnings.warn(
+                what + ". Later steps count them in the history's 'nonfinite'; this warning is "
+                "shown once; nonfinite='error' raises instead.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _noise(self, t: int) -> Params:
         """Step ``t``'s standard-normal tree; step ``t + 1``'s starts drawing meanwhile.
@@ -444,7 +546,9 @@ class Trainer:
 
         Returns the history: one dict per epoch with ``epoch``, ``steps``,
         ``loss`` (mean over the examples since the last record; not
-        private), ``epsilon`` and whatever ``eval_fn`` returned; and one more
+        private), ``nonfinite`` (the examples with a NaN/inf gradient since
+        the last record, left out of the sums; not private), ``epsilon``,
+        ``clip_norm`` and whatever ``eval_fn`` returned; and one more
         for the last step when ``fit`` stops between epochs (budget or
         ``max_steps``), so the last record always holds the epsilon of the
         parameters returned. The progress bar shows the epsilon as of the last
@@ -460,7 +564,7 @@ class Trainer:
             disable=not self.progress or self.rank != 0,
             unit="step",
         )
-        loss_sum = examples = seen = 0.0
+        loss_sum = examples = seen = nonfinite = 0.0
         started = time.perf_counter()
         epsilon = self.history[-1]["epsilon"] if self.history else 0.0
         while self.steps_done < stop_at:
@@ -468,10 +572,11 @@ class Trainer:
             loss_sum += metrics["loss"] * metrics["batch_size"]
             examples += metrics["batch_size"]
             seen += metrics["batch_size"]
+            nonfinite += metrics["nonfinite"]
             done = self.steps_done
             if done % self.steps_per_epoch == 0 or done == stop_at:
-                epsilon = self._record(loss_sum / max(examples, 1.0))
-                loss_sum = examples = 0.0
+                epsilon = self._record(loss_sum / max(examples, 1.0), int(nonfinite))
+                loss_sum = examples = nonfinite = 0.0
             elif self.checkpoint_every and done % self.checkpoint_every == 0:
                 self.save(self.checkpoint_path)
             bar.update(1)
@@ -483,18 +588,25 @@ class Trainer:
         bar.close()
         return self.history
 
-    def _record(self, loss: float) -> float:
+    def _record(self, loss: float, nonfinite: int) -> float:
         """Appends the history record of the current step (and checkpoints); its epsilon."""
         done = self.steps_done
         record = {
             "epoch": done / self.steps_per_epoch,
             "steps": done,
             "loss": loss,
+            "nonfinite": nonfinite,
             "epsilon": self.epsilon(),
             "clip_norm": self.clip_norm,
         }
         if self.eval_fn is not None:
-            for key, value in self.eval_fn(self.state.params).items():
+            results = self.eval_fn(self.state.params)
+            if not isinstance(results, Mapping):
+                raise TypeError(
+                    "eval_fn must return a dict of numbers, e.g. {'accuracy': 0.9}, got "
+                    f"{results!r}"
+                )
+            for key, value in results.items():
                 try:
                     record[key] = float(value)
                 except (TypeError, ValueError) as error:
@@ -518,15 +630,17 @@ class Trainer:
             self._budget_steps = self._search_budget()
         return self._budget_steps
 
+    def _epsilon_after(self, steps: int) -> float:
+        """The epsilon of this run's first ``steps`` steps, at ``self.delta``."""
+        trial = Accountant(method=self.accountant.method, bands=self.bands)
+        trial.step(self.accounted_noise_multiplier, self.sample_rate, steps)
+        return trial.epsilon(self.delta)
+
     def _search_budget(self) -> int:
         low, high = 0, self.total_steps  # epsilon grows with steps
 
         def within(steps: int) -> bool:
-            if steps == 0:
-                return True
-            trial = Accountant(method=self.accountant.method, bands=self.bands)
-            trial.step(self.accounted_noise_multiplier, self.sample_rate, steps)
-            return trial.epsilon(self.delta) <= self.epsilon_budget
+            return steps == 0 or self._epsilon_after(steps) <= self.epsilon_budget
 
         if within(high):
             return high
@@ -540,6 +654,7 @@ class Trainer:
     def _config(self) -> dict[str, Any]:
         return {
             "num_examples": self.num_examples,
+            "expected_batch_size": self.expected_batch_size,
             "sample_rate": self.sample_rate,
             "noise_multiplier": self.noise_multiplier,
             "clip_norm": self.step_fn.clip_norm,
@@ -660,7 +775,7 @@ class Trainer:
     def _restore(self, loaded: tuple[TrainState, Accountant, list, int]) -> None:
         self.state, self.accountant, self.history, seed = loaded
         if seed != self.seed:  # adopted (see _validate): a secret drawn by the saved run
-            self.seed, self.batches.seed, self._seed_secret = seed, seed, True
+            self.batches.seed, self._seed_secret = seed, True  # partitions derived again
         self._budget_steps = None
 
     def _read(self, path: str | os.PathLike) -> tuple[TrainState, Accountant, list, int]:
@@ -714,13 +829,17 @@ class Trainer:
                 "its noise. To continue it as the reproducible run it is, build the trainer with "
                 "that seed; for a private run, start anew with seed=None."
             )
-        for key, value in ours.items():
-            # "bands" is absent from checkpoints written before correlated noise: DP-SGD
-            if key != "seed" and saved.get(key, 1 if key == "bands" else None) != value:
-                raise ValueError(
-                    f"checkpoint {os.fspath(path)!r} was written with {key}={saved.get(key)!r}, "
-                    f"but this trainer has {key}={value!r}"
-                )
+        differences = [
+            f"{key}={_saved_setting(saved, key, value)!r} (this trainer: {value!r})"
+            for key, value in ours.items()
+            if key != "seed" and _saved_setting(saved, key, value) != value
+        ]
+        if differences:
+            raise ValueError(
+                f"checkpoint {os.fspath(path)!r} belongs to a run with other settings, and its "
+                "accounting holds only for its own; it was written with "
+                + ", ".join(differences)
+            )
         spec = optree.tree_structure(self.state)
         leaves, current = checkpoint["state"], optree.tree_leaves(self.state)
         if len(leaves) != len(current) or any(
@@ -741,6 +860,35 @@ class Trainer:
                 f"steps but {accountant.steps} accounted steps"
             )
         return state, accountant, list(checkpoint["history"]), seed
+
+
+def _check_checkpoint_path(path: Any) -> None:
+    """Fails now, not at the first save, if checkpoints cannot be written at ``path``."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"checkpoint_path must be a str or os.PathLike, got checkpoint_path={path!r}")
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"checkpoint_path must name a file, got the directory {os.fspath(path)!r}")
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"checkpoint_path={os.fspath(path)!r} is in a directory that does not exist; create "
+            f"{directory!r} first"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"checkpoint_path={os.fspath(path)!r} is in a directory this process cannot write"
+        )
+
+
+def _saved_setting(saved: dict[str, Any], key: str, ours: Any) -> Any:
+    """A checkpoint's setting; those added later have the value the earlier runs had."""
+    if key in saved:
+        return saved[key]
+    if key == "bands":  # before correlated noise: DP-SGD
+        return 1
+    if key == "expected_batch_size":  # implied by the sample rate, which is compared
+        return ours
+    return None
 
 
 _NOISE_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfunc-noise")

@@ -1,0 +1,163 @@
+"""A resumed run is the same run: bit-identical, with the partitions of the adopted secret.
+
+A run takes 6 steps and saves; it then takes 10 more. A fresh Trainer loads the
+checkpoint and takes the same 10 steps: its parameters, optimizer state, clip
+norm, noise history and accountant must equal the uninterrupted run's, bit for
+bit, for DP-SGD and correlated noise, with several micro-batches per step,
+with adaptive clipping, and with a drawn (secret) or a given seed. With bands,
+every example's participations stay at least ``bands`` steps apart across
+the boundary, which the amplification theorem behind the printed epsilon needs.
+"""
+
+import warnings
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import dpfunc
+
+N = 160
+
+
+def build(seed=None, **overrides):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    params, buffers = dpfunc.functionalize(model)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (xi[None],)), yi[None])
+
+    settings = dict(
+        optimizer=dpfunc.optim.adam(lr=0.05),
+        epochs=2,
+        expected_batch_size=8,
+        clip_norm=1.0,
+        noise_multiplier=0.9,
+        delta=1e-4,
+        physical_batch_size=8,
+        progress=False,
+        accounting="rdp",
+        seed=seed,
+    )
+    settings.update(overrides)
+    return dpfunc.Trainer(loss_fn, params, (x, y), **settings)
+
+
+def same_state(a, b):
+    leaves_a, leaves_b = optree.tree_leaves(a.state), optree.tree_leaves(b.state)
+    return len(leaves_a) == len(leaves_b) and all(
+        torch.equal(u, v) for u, v in zip(leaves_a, leaves_b)
+    )
+
+
+CASES = [
+    dict(bands=1),
+    dict(bands=4),
+    dict(bands=16),
+    dict(bands=4, physical_batch_size=3),  # several micro-batches per step
+    dict(bands=1, target_quantile=0.5, clip_norm=0.5),  # adaptive clipping
+]
+
+
+@pytest.mark.parametrize("given_seed", [False, True], ids=["secret", "given"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_continuation_is_bit_identical(tmp_path, case, given_seed):
+    seed = 987654321 if given_seed else None  # a fixed seed: reproducible, not private
+    whole = build(seed=seed, **case)
+    whole.fit(max_steps=6)
+    whole.save(tmp_path / "run.pt")
+    whole.fit(max_steps=10)
+
+    resumed = build(seed=seed, **case)
+    if not given_seed:
+        assert resumed.seed != whole.seed  # a fresh secret, until it adopts the saved one
+    resumed.fit(max_steps=1)  # a stale step of its own, then the checkpoint replaces it
+    resumed.load(tmp_path / "run.pt")
+    assert resumed.seed == whole.seed and resumed.steps_done == 6
+    for mine, theirs in zip(resumed.batches.partitions, whole.batches.partitions):
+        assert torch.equal(mine, theirs)
+    resumed.fit(max_steps=10)
+
+    assert same_state(resumed, whole)
+    assert resumed.accountant.state_dict() == whole.accountant.state_dict()
+    assert resumed.epsilon() == whole.epsilon()
+
+
+@pytest.mark.parametrize("bands", [4, 16])
+def test_participations_stay_bands_apart_across_a_resume(tmp_path, bands):
+    first = build(bands=bands, epochs=3)
+    first.fit(max_steps=5)
+    first.save(tmp_path / "run.pt")
+    resumed = build(bands=bands, epochs=3)
+    resumed.load(tmp_path / "run.pt")
+    steps = range(resumed.total_steps)
+    # steps before the boundary were sampled by the saved run, after it by the resumed one
+    batches = [(first if t < 5 else resumed).batches.indices(t) for t in steps]
+    last_seen = {}
+    for t, batch in enumerate(batches):
+        for i in batch.tolist():
+            assert t - last_seen.get(i, -bands) >= bands, (i, last_seen.get(i), t)
+            last_seen[i] = t
+    owner = {}  # every example stays in one partition
+    for t, batch in enumerate(batches):
+        for i in batch.tolist():
+            assert owner.setdefault(i, t % bands) == t % bands
+
+
+def test_partitions_follow_the_seed_of_the_sampler():
+    batches = dpfunc.data.PoissonBatches(torch.arange(40.0), 0.3, 8, bands=4)
+    secret = dpfunc.secret_seed()
+    expected = dpfunc.data.partitions(40, 4, seed=secret)
+    batches.seed = secret
+    assert all(torch.equal(a, b) for a, b in zip(batches.partitions, expected))
+
+
+def test_other_privacy_settings_are_refused_with_every_difference(tmp_path):
+    path = tmp_path / "run.pt"
+    build(bands=4).save(path)
+    other = build(bands=2, expected_batch_size=10, clip_norm=2.0, noise_multiplier=1.1)
+    with pytest.raises(ValueError, match="other settings") as caught:
+        other.load(path)
+    message = str(caught.value)
+    for name in ["bands=4", "expected_batch_size=8.0", "clip_norm=1.0", "noise_multiplier=0.9"]:
+        assert name in message, name
+    assert other.steps_done == 0
+    with pytest.raises(ValueError, match="accounting='rdp'"):
+        build(bands=4, accounting="pld").load(path)
+    with pytest.raises(ValueError, match="num_examples=160"):
+        x, y = torch.randn(N + 1, 4), torch.zeros(N + 1, dtype=torch.long)
+        base = build(bands=4)
+        dpfunc.Trainer(
+            base.step_fn.loss_fn, base.params, (x, y), optimizer=dpfunc.optim.adam(lr=0.05),
+            epochs=2, expected_batch_size=8, clip_norm=1.0, noise_multiplier=0.9, delta=1e-4,
+            physical_batch_size=8, progress=False, accounting="rdp", bands=4,
+        ).load(path)  # fmt: skip
+
+
+def test_an_existing_checkpoint_path_is_resumed_not_overwritten(tmp_path):
+    path = tmp_path / "run.pt"
+    first = build(bands=4, checkpoint_path=path)
+    first.fit(max_steps=7)  # saved at its last step
+    before = path.read_bytes()
+    with pytest.warns(UserWarning, match="resumed from the existing checkpoint_path"):
+        again = build(bands=4, checkpoint_path=path)
+    assert path.read_bytes() == before
+    assert again.steps_done == 7 and again.seed == first.seed
+    assert same_state(again, first)
+    again.fit()
+    whole = build(bands=4, seed=first.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole.fit()
+    assert same_state(again, whole)
+    with pytest.raises(ValueError, match="other settings"):
+        build(bands=2, checkpoint_path=path)  # refused, and the file is kept
+    assert path.exists()
