@@ -411,7 +411,12 @@ class Trainer:
                 "target_epsilon or expected_batch_size, or train fewer epochs.",
                 stacklevel=2,
             )
-        if checkpoint_path is not None and os.path.exists(checkpoint_path):
+        resume = checkpoint_path is not None and os.path.exists(checkpoint_path)
+        if self.distributed and checkpoint_path is not None:  # load is collective
+            _distributed.check_same_across_ranks(
+                {"exists": resume}, f"whether checkpoint_path={os.fspath(checkpoint_path)!r} exists"
+            )
+        if resume:
             # A rerun of the same command continues the run: overwriting the checkpoint
             # would lose its steps, and its accounting with them.
             self.load(checkpoint_path)
@@ -837,8 +842,7 @@ class Trainer:
         if differences:
             raise ValueError(
                 f"checkpoint {os.fspath(path)!r} belongs to a run with other settings, and its "
-                "accounting holds only for its own; it was written with "
-                + ", ".join(differences)
+                "accounting holds only for its own; it was written with " + ", ".join(differences)
             )
         spec = optree.tree_structure(self.state)
         leaves, current = checkpoint["state"], optree.tree_leaves(self.state)
@@ -865,7 +869,9 @@ class Trainer:
 def _check_checkpoint_path(path: Any) -> None:
     """Fails now, not at the first save, if checkpoints cannot be written at ``path``."""
     if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"checkpoint_path must be a str or os.PathLike, got checkpoint_path={path!r}")
+        raise TypeError(
+            f"checkpoint_path must be a str or os.PathLike, got checkpoint_path={path!r}"
+        )
     directory = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ValueError(f"checkpoint_path must name a file, got the directory {os.fspath(path)!r}")
