@@ -12,11 +12,12 @@ depends on the others and no per-example gradient exists.
 
 from __future__ import annotations
 
-import math
+import warnings
 
 import torch
 from torch import Tensor, nn
 
+from .checks import check_int
 from .ghost.dispatch import torch_class
 from .tree import Params
 
@@ -84,23 +85,93 @@ def check_per_example(module: nn.Module) -> None:
 def replace_batchnorm(module: nn.Module, max_groups: int = 32) -> nn.Module:
     """Replaces every BatchNorm in ``module`` with a GroupNorm on the same channels.
 
-    Each ``BatchNorm*d(C)`` becomes ``GroupNorm(gcd(max_groups, C), C)`` with
-    the same ``eps`` and ``affine`` (Wu & He 2018; the usual substitute in
-    DP-SGD). Submodules are replaced in place; the (possibly new) root is
-    returned, so use ``model = replace_batchnorm(model)``.
+    GroupNorm (Wu & He 2018) normalises each example on its own, the usual
+    substitute in DP-SGD. Each ``BatchNorm*d(C)`` becomes ``GroupNorm(G, C)``
+    where ``G`` is the largest divisor of ``C`` with ``G <= max_groups`` and at
+    least two channels per group (``C // G >= 2``): with one channel per group
+    a ``BatchNorm1d`` input of shape ``[N, C]`` would be normalised over a
+    single value, and every output would be its bias alone. ``eps`` is kept;
+    the affine weight and bias are copied (``requires_grad`` included), and
+    ``affine=False`` stays ``affine=False``. Running statistics are dropped:
+    GroupNorm has none. Dtype and device follow the BatchNorm's.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter("ignore")
+    ...     [replace_batchnorm(nn.BatchNorm1d(c)).num_groups for c in (2, 3, 6, 32, 96)]
+    [1, 1, 3, 16, 32]
+
+    Submodules are replaced in place; the (possibly new) root is returned, so
+    use ``model = replace_batchnorm(model)``. One ``UserWarning`` lists every
+    replacement, e.g. ``"1.0: BatchNorm2d(32) -> GroupNorm(16, 32)"``; nothing
+    is warned when there is no BatchNorm.
+
+    Raises:
+        ValueError: ``max_groups`` is not an int >= 1; a BatchNorm has one
+            channel (no group of two channels exists: one channel alone
+            normalises each example over its positions only, and over a
+            single value for ``[N, 1]`` inputs, so pick a replacement by hand,
+            e.g. ``nn.Identity()``, or ``nn.GroupNorm(1, 1)`` where the input
+            has positions to normalise over); a lazy BatchNorm has not yet
+            seen an input. The message names the module; nothing is replaced
+            when any module is refused.
     """
-    if max_groups < 1:
-        raise ValueError(f"max_groups must be >= 1, got max_groups={max_groups!r}")
-    if isinstance(module, _BATCH_NORMS):
-        return _group_norm_for(module, max_groups)
-    for name, child in module.named_children():
-        setattr(module, name, replace_batchnorm(child, max_groups))
+    max_groups = check_int("max_groups", max_groups, minimum=1)
+    found = [
+        (path, sub)
+        for path, sub in module.named_modules(remove_duplicate=False)
+        if isinstance(sub, _BATCH_NORMS)
+    ]
+    norms = {}  # id(BatchNorm) -> its GroupNorm, so that a shared BatchNorm stays shared
+    for path, bn in found:
+        norms.setdefault(id(bn), _group_norm_for(path, bn, max_groups))
+    if not found:
+        return module
+    warnings.warn(
+        f"replace_batchnorm replaced {len(found)} BatchNorm module(s): "
+        + "; ".join(
+            f"{path or '(root)'}: {type(bn).__name__}({bn.num_features}) -> "
+            f"GroupNorm({norms[id(bn)].num_groups}, {bn.num_features})"
+            for path, bn in found
+        ),
+        UserWarning,
+        stacklevel=2,
+    )
+    if found[0][0] == "":
+        return norms[id(module)]
+    for path, bn in found:
+        parent, _, name = path.rpartition(".")
+        setattr(module.get_submodule(parent), name, norms[id(bn)])
     return module
 
 
-def _group_norm_for(bn: nn.Module, max_groups: int) -> nn.GroupNorm:
+def _group_norm_for(path: str, bn: nn.Module, max_groups: int) -> nn.GroupNorm:
+    where = f"module {path!r}" if path else "the root module"
+    if isinstance(bn, nn.modules.lazy.LazyModuleMixin) and bn.has_uninitialized_params():
+        raise ValueError(
+            f"{where} is {type(bn).__name__} and has not seen an input yet, so its number "
+            "of channels is unknown; run one forward pass before replace_batchnorm"
+        )
     channels = bn.num_features
-    return nn.GroupNorm(math.gcd(max_groups, channels), channels, eps=bn.eps, affine=bn.affine)
+    groups = [g for g in range(1, min(max_groups, channels // 2) + 1) if channels % g == 0]
+    if not groups:
+        raise ValueError(
+            f"{where} is {type(bn).__name__}({channels}); GroupNorm needs at least two "
+            "channels per group to normalise one example ([N, 1] inputs would be normalised "
+            "over a single value). Replace it by hand: nn.Identity(), or nn.GroupNorm(1, 1) "
+            "if its input has positions (length, height, width) to normalise over"
+        )
+    like = bn.weight if bn.affine else bn.running_mean
+    factory = {} if like is None else {"device": like.device, "dtype": like.dtype}
+    norm = nn.GroupNorm(groups[-1], channels, eps=bn.eps, affine=bn.affine, **factory)
+    if bn.affine:
+        with torch.no_grad():
+            norm.weight.copy_(bn.weight)
+            norm.bias.copy_(bn.bias)
+        norm.weight.requires_grad_(bn.weight.requires_grad)
+        norm.bias.requires_grad_(bn.bias.requires_grad)
+    norm.train(bn.training)
+    return norm
 
 
 def _zero_hidden_state(module: nn.RNNBase, args: tuple, kwargs: dict):

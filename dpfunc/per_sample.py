@@ -9,8 +9,11 @@ that contain their own derivatives (a Laplacian, a Hessian trace, a gradient
 penalty) compose.
 
 Under ``vmap`` the loss runs once for all examples, so Python code inside it
-cannot branch on one example's values (``if mask.all():``, ``.item()``).
-:func:`vmap_over_examples` says so in plain words when that happens, and
+cannot read one example's values: no ``.item()``, no ``if loss > 0:``, no
+``logits[y]`` with a 0-d label, no ``x[:length]``, no packed sequences.
+:func:`explain_loss_errors` turns vmap's one generic message for all of
+these into one that names the likely cause, the line, and the rewrite
+(``docs/writing-a-loss.md`` shows each). :func:`vmap_over_examples` also
 tells Hugging Face transformers that it is being traced: transformers checks
 ``padding_mask.all()`` to skip building an attention mask unless its
 ``is_tracing()`` says dynamo, jit or fx is tracing, and it knows nothing of
@@ -19,7 +22,11 @@ vmap. Its tracing path builds the mask always, which gives the same outputs.
 
 from __future__ import annotations
 
+import ast
+import linecache
+import os
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
+from torch.nn.utils.rnn import PackedSequence
 
 from .checks import check_int
 from .tree import Params, PyTree, tree_leaves
@@ -135,35 +143,224 @@ def vmap_over_examples(fn: Callable, *, in_dims: tuple, chunk_size: int | None) 
     Random operations draw independently per example (``randomness=
     "different"``). While it runs eagerly, Hugging Face transformers' tracing
     guard answers yes (see the module docstring), so its models take their
-    trace-safe path with padding masks. vmap's error for a branch on an
-    example's value becomes a ``RuntimeError`` that names the cause and the
-    way out.
+    trace-safe path with padding masks, and :func:`explain_loss_errors`
+    names the cause and the fix of vmap's errors for code that reads one
+    example's values.
     """
     mapped = vmap(fn, in_dims=in_dims, chunk_size=chunk_size, randomness="different")
 
     def run(*args):
         if torch.compiler.is_compiling():  # dynamo traces the loss: libraries see that
             return mapped(*args)
-        with _libraries_see_tracing():
-            try:
-                return mapped(*args)
-            except RuntimeError as error:
-                if "data-dependent control flow" not in str(error):
-                    raise
-                raise RuntimeError(DATA_DEPENDENT) from error
+        with _libraries_see_tracing(), explain_loss_errors():
+            return mapped(*args)
 
     return run
 
 
-DATA_DEPENDENT = (
-    "loss_fn branches on a value of one example (a Python `if`, `bool()`, `.item()` or "
-    "`.tolist()` on a tensor that comes from the example, e.g. `if mask.all():`). dpfunc "
-    "runs loss_fn on all examples at once with torch.func.vmap, where one Python branch "
-    "cannot follow each example's values. Write the branch as tensor code (torch.where, "
-    "a multiplication by a mask, torch.cond), or decide it outside loss_fn and pass the "
-    "result in with the example. (Hugging Face transformers' own mask checks are handled "
-    "by dpfunc.) vmap's message follows in the cause above."
+@contextmanager
+def explain_loss_errors() -> Iterator[None]:
+    """Re-raises vmap's errors for a loss that reads one example's values, explained.
+
+    Under ``torch.func.vmap`` a loss runs once for the whole batch, so Python
+    cannot see one example's values. torch 2.13 says so with one message for
+    ``.item()``, ``float(t)``, a Python ``if`` on a tensor and ``logits[y]``
+    alike ("vmap: It looks like you're either (1) calling .item() ... (2)
+    attempting to use a Tensor in some data-dependent control flow"), and
+    with others for shapes that depend on values (boolean-mask indexing,
+    ``masked_select``, ``pack_padded_sequence``). Inside this context those
+    errors are raised again, as the same exception type and chained with
+    ``from`` to the original, with a message that names the likely cause
+    from the failing line of the user's code (the innermost frame outside
+    torch and dpfunc), the line, the rewrite that works, and the original
+    message. Every other error passes through unchanged.
+
+    The cause is read from the source of the failing expression, so it is
+    named only where the source is available (files, notebook cells) and
+    Python reports expression positions (3.11+); otherwise the message
+    lists every usual cause and its fix.
+    """
+    try:
+        yield
+    except RuntimeError as error:
+        message = _explanation(error)
+        if message is None:
+            raise
+        try:
+            explained = type(error)(message)
+        except Exception:  # an exception type with another signature
+            explained = RuntimeError(message)
+        raise explained from error
+
+
+_VMAP_READS_VALUES = (
+    "data-dependent control flow",  # .item(), bool(), int(), a 0-d tensor index, a Python branch
+    "doesn't have storage",  # .tolist(), .numpy(): a batched tensor has no one value to read
+    "batching operators that can",  # nonzero, boolean-mask indexing, unique: shape from values
+    "differently shaped Tensor",  # masked_select
 )
+# vmap's per-example fallback loop stacking outputs of different lengths; as a user's own
+# torch.stack raises the same text, it is explained only where a packed sequence is involved
+_UNEQUAL_STACK = "stack expects each tensor to be equal size"
+
+_CAUSES = {
+    "index": (
+        "indexes a tensor with a tensor from the example (`logits[y]` or `table[y]` with a "
+        "0-d `y`): Python turns the index into one int, which cannot follow each example",
+        "pick the entry with tensor operations: `logits.gather(-1, y[..., None]).squeeze(-1)`, "
+        "`F.cross_entropy(logits[None], y[None])` for a classification loss, a one-hot mask "
+        "`(logits * (torch.arange(num_classes) == y)).sum(-1)`, or a 1-d index "
+        "`table[y[None]]`",
+    ),
+    "slice": (
+        "slices a tensor by a length from the example (`x[:n]`), which gives each example "
+        "another shape",
+        "keep the padded length and mask the positions past it: `valid = "
+        "torch.arange(x.shape[0]) < n`, then `(per_position_loss * valid).sum() / valid.sum()`",
+    ),
+    "host": (
+        "reads a tensor's value into Python (`.item()`, `float(t)`, `int(t)`, `bool(t)`, "
+        "`.tolist()`, `.numpy()`)",
+        "keep it a tensor: `loss * w` rather than `loss * w.item()`, `t.to(loss.dtype)` "
+        "rather than `float(t)`",
+    ),
+    "branch": (
+        "branches on a value of one example (a Python `if`, `while`, `assert`, `and`/`or` or "
+        "`a if c else b` on a tensor, e.g. `if loss > 0:`)",
+        "compute both sides and select with `torch.where(cond, a, b)` or a multiplication by "
+        "a mask; a loop whose count comes from the example runs to the largest count and masks "
+        "the extra steps; or decide outside loss_fn and pass the decision in with the example",
+    ),
+    "packed": (
+        "packs a padded sequence by the example's length (`pack_padded_sequence`, a "
+        "`PackedSequence`), whose shape depends on the length",
+        "run the model on the padded sequence and mask the positions past the length: "
+        "`out, _ = rnn(x[None])`, `valid = torch.arange(x.shape[0]) < length`, a loss summed "
+        "over the valid positions, and the last valid output by "
+        "`out[0].gather(0, (length - 1).reshape(1, 1).expand(1, out.shape[-1]))` "
+        "(for a unidirectional RNN this equals the packed result)",
+    ),
+    "shape": (
+        "makes a tensor whose shape depends on the example's values (boolean-mask indexing "
+        "`x[x > 0]`, `nonzero`, `masked_select`, `unique`)",
+        "keep the full shape and zero out what is not selected: `torch.where(x > 0, x, 0)` "
+        "or `x * (x > 0)`",
+    ),
+    "call": (
+        "calls a function that reads a value of the example (a size, a count or a range "
+        "check, e.g. `torch.arange(n)`, `F.one_hot(y, num_classes)`)",
+        "give sizes that do not depend on the example and build masks by comparison: "
+        "`torch.arange(max_length) < n` rather than `torch.arange(n)`, "
+        "`torch.arange(num_classes) == y` rather than `F.one_hot(y, num_classes)`",
+    ),
+}
+_HOST_READS = {"item", "tolist", "numpy", "float", "int", "bool", "complex"}
+_LIBRARY_DIRS = tuple(os.path.dirname(f) + os.sep for f in (torch.__file__, __file__))
+
+
+def _explanation(error: RuntimeError) -> str | None:
+    """vmap's message for ``error`` explained, or ``None`` if it is another error."""
+    text = str(error)
+    known = any(known in text for known in _VMAP_READS_VALUES)
+    packed = (known or _UNEQUAL_STACK in text) and _uses_packed_sequence(error)
+    if not (known or packed):
+        return None
+    site = _user_frame(error)
+    if packed:
+        cause = "packed"
+    elif "differently shaped" in text or "batching operators that can" in text:
+        cause = "shape"
+    else:
+        cause = _cause_at(site) if site else None
+    where = ""
+    if site is not None:
+        code, part = (site.line or "").strip(), _expression(site)
+        where = f" (at {site.filename}:{site.lineno}" + (f": `{code}`" if code else "")
+        where += f", in `{part}`)" if part and part != code else ")"
+    if cause is None:
+        usual = "\n".join(f"- it {what}. Fix: {fix}." for what, fix in _CAUSES.values())
+        body = f"the loss reads a value of one example{where}. The usual causes:\n{usual}"
+    else:
+        what, fix = _CAUSES[cause]
+        body = f"the loss {what}{where}.\nFix: {fix}."
+    return (
+        f"per-example gradients failed: {body}\nWhy: dpfunc runs loss_fn on all examples at "
+        "once with torch.func.vmap, where Python code cannot read one example's values "
+        "(Hugging Face transformers' own mask checks are handled by dpfunc); "
+        f"docs/writing-a-loss.md shows each rewrite.\ntorch's message: {text}"
+    )
+
+
+def _uses_packed_sequence(error: BaseException) -> bool:
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        if frame.f_code.co_name in ("pack_padded_sequence", "pack_sequence"):
+            return True
+        if any(isinstance(v, PackedSequence) for v in frame.f_locals.values()):
+            return True
+    return False
+
+
+def _user_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``error``'s traceback outside torch and dpfunc."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for summary in reversed(frames):
+        path = os.path.abspath(summary.filename) if os.path.exists(summary.filename) else ""
+        if not path.startswith(_LIBRARY_DIRS):
+            return summary
+    return None
+
+
+def _expression(site: traceback.FrameSummary) -> str | None:
+    """The source of the expression that failed at ``site``, if it spans one line."""
+    if getattr(site, "colno", None) is None or site.end_lineno != site.lineno:
+        return None
+    line = linecache.getline(site.filename, site.lineno).encode()  # offsets count bytes
+    return line[site.colno : site.end_colno].decode(errors="replace").strip() or None
+
+
+def _cause_at(site: traceback.FrameSummary) -> str | None:
+    """Which of ``_CAUSES`` the expression that failed at ``site`` is, if its source says."""
+    position = (site.lineno, getattr(site, "colno", None), site.end_lineno, site.end_colno)
+    if None in position:
+        return None
+    try:
+        tree = ast.parse("".join(linecache.getlines(site.filename)))
+    except (SyntaxError, ValueError):
+        return None
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.expr)
+        and (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset) == position
+    ]
+    if not found:
+        return None
+    node = found[-1]  # the innermost of nodes sharing the span (ast.walk is breadth-first)
+    if _is_condition(node, parents):
+        return "branch"
+    if isinstance(node, ast.Subscript):
+        index = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        return "slice" if any(isinstance(i, ast.Slice) for i in index) else "index"
+    if isinstance(node, ast.Call):
+        func = node.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if name == "range":
+            return "branch"
+        return "host" if name in _HOST_READS else "call"
+    return None
+
+
+def _is_condition(node: ast.expr, parents: dict) -> bool:
+    """``node`` is (part of) the test of an ``if``, ``while``, ``assert`` or ``a if c else b``."""
+    parent = parents.get(node)
+    while isinstance(parent, ast.BoolOp) or (
+        isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not)
+    ):
+        node, parent = parent, parents.get(parent)
+    if isinstance(parent, (ast.If, ast.While, ast.IfExp, ast.Assert)):
+        return parent.test is node
+    return isinstance(parent, ast.comprehension) and node in parent.ifs
 
 
 def _trace_safe() -> bool:
@@ -190,4 +387,10 @@ def _libraries_see_tracing() -> Iterator[None]:
         utils.is_jit_tracing = original
 
 
-__all__ = ["per_sample_grads", "per_sample_grads_and_losses", "batch_size", "vmap_over_examples"]
+__all__ = [
+    "per_sample_grads",
+    "per_sample_grads_and_losses",
+    "batch_size",
+    "vmap_over_examples",
+    "explain_loss_errors",
+]

@@ -306,8 +306,72 @@ def test_batchnorm_is_rejected_with_its_path_and_replaced():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Sequential(nn.BatchNorm2d(8), nn.ReLU()))
     with pytest.raises(ValueError, match=r"module '1\.0' is BatchNorm2d.*replace_batchnorm"):
         dpfunc.functionalize(model)
-    model = dpfunc.replace_batchnorm(model)
-    assert isinstance(model[1][0], nn.GroupNorm) and model[1][0].num_groups == 8
+    with pytest.warns(UserWarning) as record:
+        model = dpfunc.replace_batchnorm(model)
+    assert [str(w.message) for w in record] == [
+        "replace_batchnorm replaced 1 BatchNorm module(s): 1.0: BatchNorm2d(8) -> GroupNorm(4, 8)"
+    ]
+    assert isinstance(model[1][0], nn.GroupNorm) and model[1][0].num_groups == 4
     params, _ = dpfunc.functionalize(model)
     assert list(params) == ["0.weight", "0.bias", "1.0.weight", "1.0.bias"]
-    assert isinstance(dpfunc.replace_batchnorm(nn.BatchNorm1d(12)), nn.GroupNorm)
+    with pytest.warns(UserWarning, match=r"\(root\): BatchNorm1d\(12\) -> GroupNorm\(6, 12\)"):
+        assert isinstance(dpfunc.replace_batchnorm(nn.BatchNorm1d(12)), nn.GroupNorm)
+
+
+# the largest divisor g of C with g <= 32 and at least two channels per group (C // g >= 2)
+GROUPS = {2: 1, 3: 1, 6: 3, 32: 16, 64: 32, 96: 32}
+
+
+@pytest.mark.parametrize("channels", sorted(GROUPS))
+def test_replace_batchnorm_group_counts(channels):
+    with pytest.warns(UserWarning, match=rf"BatchNorm1d\({channels}\) -> GroupNorm"):
+        norm = dpfunc.replace_batchnorm(nn.BatchNorm1d(channels), max_groups=32)
+    assert (norm.num_groups, norm.num_channels) == (GROUPS[channels], channels)
+    assert channels % norm.num_groups == 0 and channels // norm.num_groups >= 2
+
+
+def test_replace_batchnorm_refuses_one_channel_and_changes_nothing():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1), nn.BatchNorm1d(1))
+    with pytest.raises(ValueError, match=r"module '3' is BatchNorm1d\(1\).*two channels"):
+        dpfunc.replace_batchnorm(model)
+    assert isinstance(model[1], nn.BatchNorm1d)  # nothing was replaced
+    with pytest.raises(ValueError, match="max_groups"):
+        dpfunc.replace_batchnorm(model, max_groups=0)
+
+
+def test_replaced_batchnorm_normalises_one_example_and_keeps_affine():
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(32, eps=1e-3).double()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 2.0)
+        bn.bias.normal_()
+    bn.bias.requires_grad_(False)
+    with pytest.warns(UserWarning):
+        norm = dpfunc.replace_batchnorm(bn)
+    assert norm.eps == 1e-3 and norm.weight.dtype == torch.float64
+    assert torch.equal(norm.weight, bn.weight) and torch.equal(norm.bias, bn.bias)
+    assert norm.weight.requires_grad and not norm.bias.requires_grad
+    x = torch.randn(1, 32, dtype=torch.float64)  # one example, no positions
+    groups = x.reshape(1, norm.num_groups, -1)
+    mean = groups.mean(-1, keepdim=True)
+    var = groups.var(-1, unbiased=False, keepdim=True)
+    expected = ((groups - mean) / torch.sqrt(var + 1e-3)).reshape(1, 32) * bn.weight + bn.bias
+    out = norm(x)
+    torch.testing.assert_close(out, expected)
+    with pytest.warns(UserWarning):
+        plain = dpfunc.replace_batchnorm(nn.BatchNorm1d(32))  # weight 1, bias 0
+    one = plain(x.float())
+    assert torch.isfinite(one).all() and (one != 0).all()
+    with pytest.warns(UserWarning):
+        bare = dpfunc.replace_batchnorm(nn.BatchNorm1d(32, affine=False))
+    assert not bare.affine and bare.weight is None
+
+
+def test_replaced_batchnorm_model_trains_per_example_gradients():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3))
+    with pytest.warns(UserWarning, match=r"1: BatchNorm1d\(32\) -> GroupNorm\(16, 32\)"):
+        model = dpfunc.replace_batchnorm(model)
+    grads = assert_per_sample_matches_loop(model, torch.randn(B, 5), on_unsqueezed)
+    assert grads["1.weight"].abs().sum() > 0
+    assert_per_sample_matches_loop(model, torch.randn(1, 5), on_unsqueezed)  # a batch of one
