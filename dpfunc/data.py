@@ -24,6 +24,11 @@ sums the step accumulates before adding noise once. An empty logical batch
 is still one (all-padding) micro-batch: the step must still happen (it
 releases noise only) and the accountant counts it.
 
+Datasets come in the forms people have (tensors, numpy arrays, columns, map-style
+datasets, a ``DataLoader``, Hugging Face datasets); :func:`as_dataset` reads
+them all and refuses iterable ones, since Poisson sampling needs random access to
+every example by index (``docs/data.md``).
+
 Cyclic Poisson sampling serves correlated noise (:mod:`dpfunc.matrix_factorization`):
 with ``bands = b > 1`` the examples are split once into ``b`` partitions by a
 permutation keyed by the seed, and step ``t`` Poisson-samples, with rate
@@ -44,6 +49,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -305,13 +311,10 @@ def as_dataset(dataset: Any) -> Any:
             non-numeric Hugging Face columns (named). Every message names
             the accepted forms.
         ValueError: a 0-d tensor or array, columns whose leading sizes
-            differ (the sizes are named), or an empty tuple or list.
+            differ (the sizes are named), or an empty tuple. (An empty
+            list is an empty dataset, which the callers refuse.)
 
     >>> import numpy as np
-    >>> x, y = as_dataset((np.zeros((3, 2)), [1, 0, 1]))
-    Traceback (most recent call last):
-    ...
-    TypeError: dataset is a tuple, read as columns, but its element 1 is a list...
     >>> x, y = as_dataset([np.zeros((3, 2)), torch.tensor([1, 0, 1])])
     >>> x.dtype, y.tolist(), dataset_size((x, y))
     (torch.float64, [1, 0, 1], 3)
@@ -354,9 +357,8 @@ def as_dataset(dataset: Any) -> Any:
     if isinstance(dataset, (Mapping, str, bytes)):
         raise _refusal(
             TypeError,
-            f"dataset is a {type(dataset).__name__}, which would be read as "
-            f"{len(dataset)} examples keyed by 0, 1, ...; pass columns as a tuple, e.g. "
-            "(x, y)",
+            f"dataset is a {type(dataset).__name__}, whose len() counts keys or characters, "
+            "not examples; pass columns as a tuple, e.g. (x, y)",
         )
     if _is_indexable(dataset):
         return dataset
@@ -435,7 +437,7 @@ def micro_batches(
     dropped or truncated.
 
     Args:
-        dataset: any kind that ``dataset_size`` accepts; it must hold at
+        dataset: any form :func:`as_dataset` accepts; it must hold at
             least one row (the padding row).
         indices: a 1-D integer tensor or sequence of indices in
             ``[0, dataset_size(dataset))``, e.g. ``poisson_sample(...)`` or a
@@ -449,9 +451,11 @@ def micro_batches(
 
     Returns:
         A list of ``(batch, mask)`` pairs. ``batch`` has the structure of one
-        example (a Tensor for (a), a tuple for (b) tuples and (c), a list
-        for (b) lists, the collated item structure for (d), with numbers
-        turned into tensors by ``default_collate``); every leaf has leading
+        example (a Tensor for a tensor or array of rows, a tuple for columns
+        and a ``TensorDataset``, a dict of tensors for a Hugging Face
+        dataset, the item structure for other map-style datasets, with
+        numbers and numpy arrays turned into tensors by
+        ``default_collate``); every leaf has leading
         dimension ``physical_batch_size``. ``mask`` has shape
         ``[physical_batch_size]``, 1 for real rows and 0 for padding, on the
         device of the batch's first leaf. The masks sum to ``len(indices)``.
@@ -461,7 +465,7 @@ def micro_batches(
             range, the dataset is empty, ``physical_batch_size < 1``, ``num``
             is smaller than needed (that would drop examples), or
             ``mask_dtype`` is not a floating dtype.
-        TypeError: the dataset kind is unsupported (see ``dataset_size``).
+        TypeError: the dataset's form is refused (:func:`as_dataset`).
 
     >>> x = torch.arange(5.0)
     >>> [(b.tolist(), m.tolist()) for b, m in micro_batches(x, [4, 2, 3], 2)]
@@ -523,7 +527,8 @@ class PoissonBatches:
     extra micro-batches are all padding.
 
     Args:
-        dataset: any kind that ``dataset_size`` accepts, with >= 1 example.
+        dataset: any form :func:`as_dataset` accepts, with >= 1 example;
+            ``self.dataset`` holds ``as_dataset(dataset)``.
         sample_rate: the Poisson inclusion probability, in ``(0, 1]``; with
             ``bands > 1``, within the step's partition.
         physical_batch_size: rows per micro-batch, an int >= 1.
@@ -541,7 +546,7 @@ class PoissonBatches:
 
     Raises:
         ValueError: an argument is out of range, or the dataset is empty.
-        TypeError: the dataset kind is unsupported.
+        TypeError: the dataset's form is refused (:func:`as_dataset`).
     """
 
     def __init__(
@@ -555,6 +560,7 @@ class PoissonBatches:
         world_size: int = 1,
         bands: int = 1,
     ) -> None:
+        dataset = as_dataset(dataset)
         num_examples = dataset_size(dataset)
         if num_examples < 1:
             raise ValueError("dataset must hold at least one example, got 0 examples")
@@ -778,9 +784,18 @@ def _loader_dataset(loader: DataLoader) -> Any:
         "probability sample_rate), which the privacy accounting assumes; pass the dataset "
         "itself to silence this warning",
         UserWarning,
-        stacklevel=4,
+        stacklevel=_caller_outside_dpfunc(),
     )
     return dataset
+
+
+def _caller_outside_dpfunc() -> int:
+    """The ``stacklevel`` of the nearest caller outside dpfunc: a warning points at user code."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _hugging_face_kind(dataset: Any) -> str | None:
@@ -875,7 +890,7 @@ def _as_indices(indices: Any, size: int) -> Tensor:
 
 
 def _gather(dataset: Any, indices: Tensor, count: int) -> PyTree:
-    """Rows at ``indices`` of an :func:`as_dataset` form, one pytree of leading dim ``len(indices)``."""
+    """Rows at ``indices`` of an :func:`as_dataset` form: a pytree, leading dim ``len(indices)``."""
     if isinstance(dataset, Tensor):
         return dataset.index_select(0, indices.to(dataset.device))
     if isinstance(dataset, tuple):

@@ -45,7 +45,7 @@ from . import distributed as _distributed
 from . import optim
 from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
 from .checks import check_choice, check_int, check_number, check_params
-from .data import PoissonBatches, dataset_fingerprint, dataset_size
+from .data import PoissonBatches, as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .per_sample import LossFn
 from .step import ExampleStats, TrainState, make_train_step, summarize
@@ -61,8 +61,11 @@ class Trainer:
     Args:
         loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
         params: the initial trainable parameters (``functionalize(model)[0]``).
-        dataset: a tensor, a tuple of tensors, a ``TensorDataset`` or any
-            indexable dataset (see :mod:`dpfunc.data`).
+        dataset: tensors or numpy arrays of rows, a tuple or list of them
+            read as columns, a map-style ``Dataset`` (transforms applied per
+            example), a ``DataLoader`` (its dataset; Poisson sampling replaces
+            its sampler), or a Hugging Face ``datasets.Dataset``; see
+            :func:`dpfunc.data.as_dataset`.
         optimizer: a :mod:`dpfunc.optim` transformation.
         epochs: planned passes over the data; ``steps = epochs * steps_per_epoch``
             with ``steps_per_epoch = round(num_examples / expected_batch_size)``.
@@ -207,6 +210,7 @@ class Trainer:
         distributed: bool | None = None,
         nonfinite: str = "warn",
     ):
+        dataset = as_dataset(dataset)  # numpy, lists, DataLoaders, ...: read once, here
         n = dataset_size(dataset)
         if n < 1:
             raise ValueError("dataset is empty: DP-SGD needs at least one example, got 0")

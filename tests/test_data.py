@@ -3,16 +3,30 @@
 from __future__ import annotations
 
 import math
+import re
+import warnings
 from collections import Counter
 
+import numpy as np
+import optree
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils.data import TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SubsetRandomSampler,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
+import dpfunc
 from dpfunc.data import (
+    ACCEPTED_DATASETS,
     PoissonBatches,
+    as_dataset,
     dataset_fingerprint,
     dataset_size,
     micro_batches,
@@ -200,7 +214,6 @@ def test_num_too_small_raises():
 
 
 def test_indices_as_tensor_list_or_numpy_agree():
-    np = pytest.importorskip("numpy")
     dataset = rows_dataset(8)
     as_list = micro_batches(dataset, [6, 1, 3], 2)
     for other in (torch.tensor([6, 1, 3], dtype=torch.int32), np.array([6, 1, 3])):
@@ -225,13 +238,6 @@ def _kinds():
         "items": ItemDataset(6),
         "numbers": NumberDataset(),
     }
-
-
-def test_a_list_of_tensors_is_refused_as_ambiguous():
-    x, y = rows_dataset(6)
-    for dataset in ([x, y], list(x)):  # columns, or one tensor per example?
-        with pytest.raises(TypeError, match="list of .* tensors, which is ambiguous"):
-            dataset_size(dataset)
 
 
 def test_dataset_fingerprint_sees_order_and_contents():
@@ -308,6 +314,355 @@ def test_mismatched_leading_sizes_raise():
 def test_empty_dataset_raises():
     with pytest.raises(ValueError, match="at least one"):
         micro_batches(torch.zeros(0, 3), [], 2)
+
+
+# ----------------------------------------------------------------------------- accepted forms
+
+
+class TransformDataset(Dataset):
+    """A map-style Dataset whose __getitem__ normalises x and adds fresh noise to it.
+
+    It records every item it returns, so a test can check that the gathered
+    batch holds exactly those items (the noise differs between calls).
+    """
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, item: str = "tuple") -> None:
+        self.x, self.y, self.item = x, y, item
+        self.mean, self.std = x.mean(0), x.std(0)
+        self.returned: list = []
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        x = (self.x[i] - self.mean) / self.std + 0.1 * torch.randn(self.x.shape[1])
+        item = {
+            "tuple": (x, int(self.y[i])),
+            "dict": {"x": x, "y": int(self.y[i])},
+            "numpy": (x.numpy(), np.int64(self.y[i])),
+        }[self.item]
+        self.returned.append(item)
+        return item
+
+
+def row_ids(batch) -> torch.Tensor:
+    """The row ids of a gathered batch of any form built from ``rows_dataset``."""
+    if isinstance(batch, dict):
+        return batch["y"]
+    if isinstance(batch, torch.Tensor):  # rows of x: column 1 is id + 0.5
+        return (batch[:, 1] - 0.5).long()
+    return batch[1]
+
+
+def forms(n: int) -> dict:
+    """The same examples (row i encodes i) in every accepted form."""
+    x, y = rows_dataset(n)
+    return {
+        "tensor_tuple": (x, y),
+        "numpy_tuple": (x.numpy(), y.numpy()),
+        "tensor_list": [x, y],
+        "mixed_list": [x.numpy(), y],
+        "numpy_rows": x.numpy(),
+        "tensor_dataset": TensorDataset(x, y),
+        "loader": DataLoader(TensorDataset(x, y), batch_size=7, shuffle=True),
+        "loader_no_batching": DataLoader(TensorDataset(x, y), batch_size=None),
+        "items": ItemDataset(n),
+        "transform": TransformDataset(x, y),
+        "list_of_examples": [(x[i], y[i]) for i in range(n)],
+    }
+
+
+@pytest.mark.filterwarnings("ignore:dpfunc reads the DataLoader")
+@pytest.mark.parametrize("form", list(forms(2)))
+def test_poisson_batches_gather_the_sampled_rows_from_every_form(form):
+    n = 30
+    dataset = forms(n)[form]
+    assert dataset_size(dataset) == n
+    loader = PoissonBatches(dataset, 0.3, 4, seed=11)
+    for step in range(4):
+        sampled = poisson_sample(n, 0.3, seed=11, step=step).tolist()
+        batches, count = loader.logical_batch(step)
+        assert count == len(sampled)
+        got = []
+        for batch, mask in batches:
+            ids = row_ids(batch)
+            assert ids.shape == mask.shape == (4,)
+            assert torch.all(ids[mask == 0] == 0)  # padding is row 0
+            got += ids[mask == 1].tolist()
+        assert got == sampled
+    # and micro_batches directly, without PoissonBatches
+    ((batch, mask),) = micro_batches(dataset, [9, 2, 9], 4)
+    assert row_ids(batch).tolist() == [9, 2, 9, 0] and mask.tolist() == [1, 1, 1, 0]
+
+
+def test_numpy_columns_are_columns_not_two_examples():
+    x, y = rows_dataset(6)
+    xn, yn = x.numpy().astype(np.float64), y.numpy()
+    assert dataset_size((xn, yn)) == 6  # was 2: the tuple's elements read as examples
+    cx, cy = as_dataset((xn, yn))
+    assert np.shares_memory(cx.numpy(), xn) and np.shares_memory(cy.numpy(), yn)  # no copy
+    assert cx.dtype == torch.float64 and cy.dtype == torch.int64  # dtypes kept
+    ((bx, by), mask) = micro_batches((xn, yn), [4, 1], 3)[0]
+    assert torch.equal(bx, torch.from_numpy(xn[[4, 1, 0]])) and by.tolist() == [4, 1, 0]
+    assert mask.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_a_list_of_tensors_is_columns_like_a_tuple():
+    x, y = rows_dataset(6)
+    assert dataset_size([x, y]) == 6
+    from_list = micro_batches([x, y], [5, 0, 3], 2)
+    from_tuple = micro_batches((x, y), [5, 0, 3], 2)
+    for (bl, ml), (bt, mt) in zip(from_list, from_tuple):
+        assert type(bl) is tuple and torch.equal(ml, mt)
+        assert all(torch.equal(a, b) for a, b in zip(bl, bt))
+
+
+def test_a_numpy_array_is_rows_like_a_tensor():
+    x, _ = rows_dataset(5)
+    xn = x.numpy()
+    assert dataset_size(xn) == 5
+    ((batch, _),) = micro_batches(xn, [3, 3], 2)
+    assert torch.equal(batch, x[[3, 3]])
+    assert dataset_fingerprint(xn) == dataset_fingerprint(x)
+    assert dataset_fingerprint((xn, xn)) == dataset_fingerprint((x, x))
+
+
+def test_numpy_arrays_torch_cannot_share_are_read_right():
+    x = np.arange(12.0).reshape(6, 2)
+    reversed_rows = x[::-1]  # negative stride
+    big_endian = x.astype(">f8")
+    read_only = x.copy()
+    read_only.flags.writeable = False
+    for array in (reversed_rows, big_endian, read_only):
+        ((batch, _),) = micro_batches(array, [0, 5], 2)
+        assert batch.tolist() == array[[0, 5]].tolist()
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.array([{"a": 1}, None, 3], dtype=object),
+        np.array(["cat", "dog", "cow"]),
+        np.array([b"a", b"b", b"c"]),
+        np.array(["2024-01-01", "2024-01-02", "2024-01-03"], dtype="datetime64[D]"),
+    ],
+)
+def test_non_numeric_numpy_arrays_raise_naming_the_dtype(array):
+    for dataset in (array, (np.zeros((3, 2)), array), [array, torch.zeros(3)]):
+        with pytest.raises(TypeError, match=re.escape(f"dtype {array.dtype}")):
+            dataset_size(dataset)
+
+
+def test_columns_of_different_sizes_raise_naming_the_sizes():
+    for dataset in ((np.zeros((4, 2)), np.zeros(5)), [torch.zeros(4, 2), np.zeros(5)]):
+        with pytest.raises(ValueError, match=re.escape("sizes [4, 5]")):
+            micro_batches(dataset, [0], 2)
+        with pytest.raises(ValueError, match=re.escape("sizes [4, 5]")):
+            PoissonBatches(dataset, 0.5, 2, seed=0)
+
+
+def test_a_tuple_holding_a_non_array_is_refused():
+    x, y = rows_dataset(3)
+    for dataset in ((x, y.tolist()), (x.tolist(), y), [x.numpy(), y.tolist()]):
+        with pytest.raises(TypeError, match="element [01] is a list"):
+            dataset_size(dataset)
+    with pytest.raises(ValueError, match="empty tuple"):
+        dataset_size(())
+
+
+@pytest.mark.parametrize("item", ["tuple", "dict", "numpy"])
+def test_per_example_transforms_are_applied_at_getitem(item):
+    x, y = rows_dataset(10)
+    dataset = TransformDataset(x, y, item)
+    indices = [7, 2, 7, 9]
+    batches = micro_batches(dataset, indices, 3)
+    returned = dataset.returned  # dataset[7], [2], [7], [9], then row 0 once, for 2 pads
+    assert len(returned) == 5
+    rows = [optree.tree_leaves(r) for r in returned + returned[-1:]]
+    got = [optree.tree_leaves(b) for b, _ in batches]
+    for k in range(2):  # x, then y
+        expected = torch.stack([torch.as_tensor(r[k]) for r in rows])
+        assert torch.equal(torch.cat([g[k] for g in got]), expected)
+    xs = torch.cat([g[0] for g in got])
+    normalised = (x[indices + [0, 0]] - dataset.mean) / dataset.std
+    assert 0 < (xs - normalised).abs().max() < 1.0  # the transform (and its noise) ran
+
+
+def test_a_data_loader_gives_way_to_poisson_sampling_with_a_warning():
+    x, y = rows_dataset(12)
+    loader = DataLoader(TensorDataset(x, y), batch_size=5, shuffle=True)
+    with pytest.warns(UserWarning, match=r"Poisson sampling.*privacy accounting") as caught:
+        dataset = as_dataset(loader)
+    message = str(caught[0].message)
+    assert "RandomSampler" in message and "batch_size=5" in message and "12 examples" in message
+    assert caught[0].filename == __file__  # points at the caller's line, not into dpfunc
+    assert type(dataset) is tuple and dataset[0] is x and dataset[1] is y
+    with pytest.warns(UserWarning):
+        assert dataset_fingerprint(loader) == dataset_fingerprint((x, y))
+
+
+def test_a_data_loader_that_would_change_the_examples_is_refused():
+    x, y = rows_dataset(12)
+    data = TensorDataset(x, y)
+    refused = {
+        "collate_fn": DataLoader(data, batch_size=4, collate_fn=lambda items: items),
+        "SubsetRandomSampler": DataLoader(data, sampler=SubsetRandomSampler(range(6))),
+        "WeightedRandomSampler": DataLoader(
+            data, sampler=WeightedRandomSampler([1.0] * 6 + [0.0] * 6, 12)
+        ),
+        "list": DataLoader(data, batch_sampler=[[0, 1], [2, 3]]),
+    }
+    for name, loader in refused.items():
+        with pytest.raises(TypeError, match=name) as err:
+            PoissonBatches(loader, 0.5, 4, seed=0)
+        assert ACCEPTED_DATASETS in str(err.value)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(5))
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [
+        Stream(),
+        DataLoader(Stream(), batch_size=2),
+        (i for i in range(5)),
+        iter([1.0, 2.0]),
+        map(float, range(5)),
+    ],
+    ids=["IterableDataset", "loader", "generator", "iterator", "map"],
+)
+def test_iterable_datasets_are_refused_for_want_of_random_access(dataset):
+    with pytest.raises(TypeError, match="random access") as err:
+        micro_batches(dataset, [0], 2)
+    assert "by its index" in str(err.value) and ACCEPTED_DATASETS in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "dataset",
+    [
+        object(),
+        5,
+        {"x": torch.zeros(3, 2), "y": torch.zeros(3)},
+        "abc",
+        (torch.zeros(3), [1, 2, 3]),
+        np.array(["a", "b"]),
+        DataLoader(TensorDataset(torch.zeros(3)), collate_fn=list),
+    ],
+    ids=["object", "int", "dict", "str", "tuple_with_list", "str_array", "collate_fn"],
+)
+def test_every_refusal_names_the_accepted_forms(dataset):
+    for call in (
+        lambda: as_dataset(dataset),
+        lambda: dataset_size(dataset),
+        lambda: dataset_fingerprint(dataset),
+        lambda: micro_batches(dataset, [0], 2),
+        lambda: PoissonBatches(dataset, 0.5, 2, seed=0),
+    ):
+        with pytest.raises(TypeError) as err:
+            call()
+        assert str(err.value).endswith(f"dpfunc accepts {ACCEPTED_DATASETS}")
+
+
+def test_as_dataset_is_idempotent():
+    for form in forms(8).values():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            once = as_dataset(form)
+        twice = as_dataset(once)
+        assert twice is once or (type(twice) is tuple and twice == once)
+
+
+@pytest.mark.filterwarnings("ignore:dpfunc reads the DataLoader")
+@pytest.mark.parametrize("form", ["numpy_tuple", "tensor_list", "loader"])
+def test_trainer_takes_each_form_as_it_is(form):
+    def train(dataset):
+        model = torch.nn.Linear(3, 2)
+        params = {k: torch.zeros_like(v) for k, v in model.named_parameters()}
+
+        def loss_fn(p, example):
+            x, y = example
+            out = torch.func.functional_call(model, p, (x.unsqueeze(0),))
+            return torch.nn.functional.cross_entropy(out, y.unsqueeze(0) % 2)
+
+        trainer = dpfunc.Trainer(
+            loss_fn, params, dataset, optimizer=dpfunc.optim.sgd(lr=0.1), epochs=1,
+            expected_batch_size=8, clip_norm=1.0, noise_multiplier=1.0, delta=1e-3,
+            physical_batch_size=8, seed=3, progress=False, accounting="rdp",
+        )  # fmt: skip
+        trainer.fit()
+        return trainer.params
+
+    reference = train(rows_dataset(40))
+    got = train(forms(40)[form])
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+@pytest.fixture
+def hf():
+    return pytest.importorskip("datasets")
+
+
+def hf_rows(hf, n: int):
+    x, y = rows_dataset(n)
+    return hf.Dataset.from_dict({"x": x.tolist(), "y": y.tolist()})
+
+
+def test_hugging_face_dataset_rows_are_its_torch_format(hf):
+    table = hf_rows(hf, 9)
+    assert dataset_size(table) == 9
+    ((batch, mask),) = micro_batches(table, [8, 3, 8], 4)
+    oracle = table.with_format("torch")
+    assert set(batch) == {"x", "y"} and mask.tolist() == [1, 1, 1, 0]
+    for key in batch:
+        expected = torch.stack([oracle[i][key] for i in (8, 3, 8, 0)])
+        assert torch.equal(batch[key], expected) and batch[key].dtype == expected.dtype
+    assert batch["x"][:, 1].tolist() == [8.5, 3.5, 8.5, 0.5]
+    assert dataset_fingerprint(table) == dataset_fingerprint(hf_rows(hf, 9))
+    assert dataset_fingerprint(table) != dataset_fingerprint(hf_rows(hf, 10))
+
+
+def test_hugging_face_non_numeric_columns_are_refused_by_name(hf):
+    table = hf_rows(hf, 4).add_column("text", ["a", "b", "c", "d"])
+    with pytest.raises(TypeError, match="'text'") as err:
+        dataset_size(table)
+    assert "'x'" not in str(err.value) and ACCEPTED_DATASETS in str(err.value)
+    for chosen in (table.remove_columns("text"), table.select_columns(["x", "y"])):
+        ((batch, _),) = micro_batches(chosen, [2], 2)
+        assert set(batch) == {"x", "y"} and batch["y"].tolist() == [2, 0]
+
+
+def test_hugging_face_ragged_column_raises_naming_it(hf):
+    table = hf.Dataset.from_dict({"ids": [[1] * (i + 1) for i in range(4)], "y": [0, 1, 0, 1]})
+    assert dataset_size(table) == 4
+    with pytest.raises(ValueError, match="column 'ids'.*different shapes"):
+        micro_batches(table, [3], 2)
+
+
+def test_hugging_face_images_and_class_labels(hf):
+    pil = pytest.importorskip("PIL.Image")
+    pixels = [np.full((4, 5), 10 * i, dtype=np.uint8) for i in range(3)]
+    table = hf.Dataset.from_dict(
+        {"image": [pil.fromarray(p) for p in pixels], "label": [0, 1, 2]},
+        features=hf.Features({"image": hf.Image(), "label": hf.ClassLabel(num_classes=3)}),
+    )
+    ((batch, _),) = micro_batches(table, [2, 1], 2)
+    assert batch["image"].dtype == torch.uint8
+    assert torch.equal(batch["image"].reshape(2, 4, 5), torch.from_numpy(np.stack(pixels[2:0:-1])))
+    assert batch["label"].tolist() == [2, 1]
+
+
+def test_hugging_face_splits_and_streams_are_refused(hf):
+    table = hf_rows(hf, 4)
+    with pytest.raises(TypeError, match=r"DatasetDict.*dataset\['train'\]"):
+        dataset_size(hf.DatasetDict({"train": table}))
+    with pytest.raises(TypeError, match="random access"):
+        dataset_size(table.to_iterable_dataset())
 
 
 # ----------------------------------------------------------------------------- ranks

@@ -110,6 +110,7 @@ def test_eval_values_are_stored_as_floats_or_refused():
         make(eval_fn=lambda p: {"acc": "high"}).fit()
 
 
+@pytest.mark.filterwarnings("ignore:noise_multiplier=.* exceeds expected_batch_size")
 def test_empty_poisson_batches_are_steps_with_noise_only():
     # five steps; a public seed whose five samples are all empty
     trainer = make(expected_batch_size=0.01, epochs=0.01 / 120 * 5, seed=0)
