@@ -12,6 +12,20 @@ In every mode an example whose norm is not finite (NaN or inf anywhere in
 its gradient) gets factor 0: it is dropped from the sum rather than spread
 into it.
 
+Rounding is part of the bound. The norm is computed with rounding error, the
+factor is rounded to the gradients' dtype, multiplied and summed with the other
+rows, and the micro-batch sums are added across micro-batches and ranks. Each
+step can only make a contribution larger by a factor that Higham's ``gamma_n``
+bounds ("Accuracy and Stability of Numerical Algorithms", 2002, sections 3.1
+and 4.2), so :func:`clip_factors` divides by the product of those factors (a
+relative margin of about 1e-5 in float32, 1e-10 in float64; see
+:func:`clip_margin`): every example's contribution to the sum, as computed,
+has norm at most its clip bound. The margin depends only on public
+quantities (the dtype, the physical rows of a micro-batch, the number of
+coordinates), never on the data or the realised batch size. The sum of a
+micro-batch runs in its :func:`accumulation_dtype` (float32 for bf16, fp16 and
+float32 gradients, float64 for float64), never in half precision.
+
 Adaptive clipping (Andrew, Thakkar, McMahan and Ramaswamy 2021, "Differentially
 private learning with adaptive clipping") moves the clip norm towards a
 target quantile of the per-example norms: each step counts the examples the
@@ -24,15 +38,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import optree
 import torch
 from torch import Tensor
 
-from .checks import check_number
+from .checks import check_int, check_number
 from .tree import Params, PyTree, tree_leaves, tree_map
 
 Groups = Mapping[str, Sequence[str]]
+
+F64 = torch.float64
+HALF = (torch.bfloat16, torch.float16)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`clipped_sum` sums gradients of ``dtype`` in.
+
+    float64 for float64 gradients, float32 for every other floating dtype (a
+    bf16 or fp16 value is exactly a float32 value, so the upcast is exact,
+    and 256 rows summed in bf16 could lose every digit).
+
+    >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.float64)
+    (torch.float32, torch.float64)
+    """
+    return F64 if dtype == F64 else torch.float32
 
 
 def per_sample_norms(grads: PyTree, groups: Groups | None = None) -> Tensor | dict[str, Tensor]:
@@ -48,10 +79,13 @@ def per_sample_norms(grads: PyTree, groups: Groups | None = None) -> Tensor | di
         ``Tensor[B]`` (flat) or ``{group: Tensor[B]}``, float64. A float64
         gradient, or any gradient inside ``torch.compile`` (where the upcast
         fuses into the reduction), is accumulated in float64 throughout.
-        Eagerly, a float32 (or half) leaf is reduced in its own dtype over
-        runs of ``NORM_CHUNK`` entries, whose norms are then combined in
-        float64: no float64 copy of the gradients, and a relative error of
-        about 1e-8 typically, 1e-6 at worst (float32 over 128 terms). A leaf
+        Eagerly, a float32 (or half) leaf is reduced in float32 over runs of
+        ``NORM_CHUNK`` entries, whose norms are then combined in float64: no
+        float64 copy of the gradients, and a relative error of about 1e-8
+        typically, at most ``gamma_{NORM_CHUNK + 2}`` of float32 (4e-6) on
+        the squared norm, plus squares below float32's smallest normal
+        number (entries under about 1e-19) that may be lost, at most
+        ``size * 2**-125`` in all: :func:`clip_margin` covers both. A leaf
         whose runs overflow (entries beyond about 1e18) or hold NaN or inf is
         recomputed in float64, so a float32 gradient with entries near the
         float32 maximum still has a finite norm, and a NaN or inf entry gives
@@ -97,9 +131,12 @@ def _chunked_squares(flat: Tensor) -> Tensor:
     rows, size = flat.shape
     whole = size // NORM_CHUNK * NORM_CHUNK
     runs = flat[:, :whole].reshape(rows, whole // NORM_CHUNK, NORM_CHUNK)
-    parts = [torch.linalg.vector_norm(runs, dim=2)]
+    # float32 results: a half result would round each run's norm to 8 or 11 bits
+    dtype = torch.float32
+    parts = [torch.linalg.vector_norm(runs, dim=2, dtype=dtype)]
     if whole < size:
-        parts.append(torch.linalg.vector_norm(flat[:, whole:], dim=1, keepdim=True))
+        parts.append(torch.linalg.vector_norm(flat[:, whole:], dim=1, keepdim=True, dtype=dtype))
+    # a float32 value squared is exact in float64 (24 + 24 bits)
     return torch.cat(parts, dim=1).double().square().sum(1)
 
 
@@ -130,12 +167,136 @@ def _check_groups(groups: Groups, grads: PyTree) -> None:
         )
 
 
+ACCUMULATED_SUMS = 2**20
+"""Micro-batch sums plus ranks whose float64 additions :func:`clip_margin` covers.
+
+A logical batch is summed over its micro-batches and then over ranks in
+float64 (:meth:`dpfunc.TrainStep.accumulate`, the distributed all-reduce);
+each addition can round every contribution by ``2**-53``. The number of
+micro-batches follows the realised Poisson batch, so the margin uses this
+fixed public count instead: about a million micro-batches and ranks
+together, a relative ``1.2e-10``.
+"""
+
+MAX_SIZE = 2**40
+"""The coordinates of one example's gradient that ``size=None`` assumes (4 TB in float32)."""
+
+
+class ClipMargin(NamedTuple):
+    """The rounding margin of :func:`clip_factors`: factors ``C / (scale * (norm + floor))``."""
+
+    scale: float  # > 1: the relative growth a contribution can get from rounding
+    floor: float  # >= 0: an absolute bound on the norm lost to underflow
+
+
+def _gamma(n: int, dtype: torch.dtype) -> float:
+    """Higham's ``gamma_n = n u / (1 - n u)``: the relative error of ``n`` roundings."""
+    nu = n * torch.finfo(dtype).eps / 2
+    return nu / (1 - nu) if nu < 1 else math.inf
+
+
+def clip_margin(
+    rows: int, dtype: torch.dtype = torch.float32, size: int | None = None
+) -> ClipMargin:
+    """The margin that makes ``factor * norm <= C`` hold for the contribution as computed.
+
+    With ``n`` the exact norm of an example's gradient and ``n^`` the
+    :func:`per_sample_norms` value, ``n <= (n^ + floor) / sqrt(1 - e_norm) /
+    (1 - u64)``, where ``e_norm`` is ``gamma_{NORM_CHUNK + 2}`` of float32
+    (runs of float32 squares and the run's square root) combined with
+    ``gamma_{2 size + 8}`` of float64 (the float64 sums, the squares of float64
+    entries, the square roots), and ``floor = sqrt(size * 2**-125)`` bounds
+    the squares that underflow in float32 (``2**-1021`` in float64). The clipped
+    sum (:func:`clipped_sum`) then rounds the factor to the accumulation
+    dtype, multiplies and adds ``rows`` rows: every coordinate of a
+    contribution grows by at most ``1 + gamma_{rows + 2}`` of that dtype
+    (attributing each rounding to the terms it touches). Adding the
+    micro-batch sums and the ranks' sums in float64 adds ``gamma_N`` of
+    float64 with ``N = ACCUMULATED_SUMS``. ``scale`` is the product of these
+    growths and of ``1 + gamma_16`` of float64 for the arithmetic of the factor
+    itself (and of per-group thresholds), so ``C / (scale * (n^ + floor))``
+    times the computed contribution's growth is at most ``C``.
+
+    A product that underflows to a subnormal float32 number can add up to
+    ``2**-150`` per coordinate, which matters only for clip norms far below
+    any in use (under ``sqrt(size) * 1e-44``).
+
+    Args:
+        rows: the rows the clipped sum adds in one micro-batch, padding
+            included (the physical batch size: public, fixed).
+        dtype: the gradients' dtype (the lowest precision among them).
+            float64 gradients are normed and summed in float64; every
+            other dtype is normed in float32 runs and summed in float32
+            (:func:`accumulation_dtype`).
+        size: the coordinates of one example's gradient (all parameters,
+            or the largest group); ``None`` assumes up to ``MAX_SIZE``.
+
+    Returns:
+        :class:`ClipMargin` ``(scale, floor)``, Python floats: ``scale`` is
+        about ``1 + 1.5e-5`` for 256 float32 rows and ``1 + 1.2e-10`` in
+        float64 (``scale - 1`` grows with ``rows``; ``size=None`` adds up to
+        ``1.2e-4``).
+
+    Raises:
+        ValueError: ``rows`` or ``size`` is not an int >= 0 / >= 1, or ``dtype``
+            is not a floating-point dtype.
+
+    >>> m = clip_margin(256, torch.float32, size=10**6)
+    >>> bool(1e-5 < m.scale - 1 < 3e-5), bool(m.floor < 1e-15)
+    (True, True)
+    """
+    check_int("rows", rows, minimum=0)
+    if size is None:
+        size = MAX_SIZE
+    check_int("size", size, minimum=1)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got dtype={dtype!r}")
+    u64 = torch.finfo(F64).eps / 2
+    acc = accumulation_dtype(dtype)
+    float64_norm = _gamma(2 * size + 8, F64)
+    if acc == F64:
+        e_norm, floor = float64_norm, math.sqrt(size * 2.0**-1021)
+        summed = _gamma(rows + 2 + ACCUMULATED_SUMS, F64)
+    else:
+        e_norm = 1 - (1 - _gamma(NORM_CHUNK + 2, torch.float32)) * (1 - float64_norm)
+        floor = math.sqrt(size * 2.0**-125)
+        summed = (1 + _gamma(rows + 2, acc)) * (1 + _gamma(ACCUMULATED_SUMS, F64)) - 1
+    if e_norm >= 1 or math.isinf(summed):
+        raise ValueError(
+            f"rows={rows!r} and size={size!r} are too large for a rounding bound in {acc}"
+        )
+    scale = (1 + summed) / (math.sqrt(1 - e_norm) * (1 - u64)) * (1 + _gamma(16, F64))
+    return ClipMargin(scale, floor)
+
+
+def rounding_scope(params: PyTree, rows: int) -> dict[str, object]:
+    """The keyword arguments of :func:`clip_factors` for a micro-batch of ``rows`` rows.
+
+    ``{"rows": rows, "dtype": ..., "size": ...}``: ``dtype`` is float64 if
+    every parameter is float64, else float32 (what the other dtypes are normed
+    and summed in); ``size`` is the number of coordinates of one example's
+    gradient (all of ``params``). Shapes and dtypes only: nothing here reads
+    the data, and ``rows`` must be the physical (padded) rows, never the
+    count of real examples.
+
+    >>> rounding_scope({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, rows=8)
+    {'rows': 8, 'dtype': torch.float32, 'size': 9}
+    """
+    leaves = tree_leaves(params)
+    wide = bool(leaves) and all(p.dtype == F64 for p in leaves)
+    size = max(1, sum(p.numel() for p in leaves))
+    return {"rows": int(rows), "dtype": F64 if wide else torch.float32, "size": int(size)}
+
+
 def clip_factors(
     norms: Tensor | Mapping[str, Tensor],
     clip_norm: float | Mapping[str, float],
     *,
     normalize: bool = False,
     gamma: float = 0.01,
+    rows: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    size: int | None = None,
 ) -> Tensor | dict[str, Tensor]:
     """The factor each example's gradient is multiplied by.
 
@@ -150,33 +311,56 @@ def clip_factors(
         normalize: automatic clipping (Bu et al. 2022): factor
             ``C / (norm + gamma)`` for every example, not only large ones.
         gamma: the stabiliser of automatic clipping, > 0.
+        rows, dtype, size: what the rounding margin covers (see
+            :func:`clip_margin`): the rows :func:`clipped_sum` adds in one
+            micro-batch (``None``: ``B``, the length of ``norms``), the
+            gradients' dtype (float32 by default, which also covers float64
+            and half gradients), and the coordinates of one example's
+            gradient (``None``: up to ``MAX_SIZE``, a margin of 1.2e-4).
+            These are public (shapes and dtypes), never the data.
 
     Returns:
-        Factors like ``norms``, in ``[0, 1]`` for clipping, in ``[0, C/gamma)``
-        for normalisation, so that ``factor * norm <= C`` always.
-        Flat clipping gives ``min(1, C / norm)``, computed as
-        ``clamp(C / (norm + tiny), max=1)`` so a zero gradient gets 1 and
-        ``C = inf`` gives 1. A non-finite norm gives 0.
+        Factors like ``norms`` (float64), so that each example's contribution to
+        :func:`clipped_sum`, rounding included, has norm at most ``C``
+        (its group's ``C_k``). With ``(scale, floor) = clip_margin(rows,
+        dtype, size)``: flat clipping gives ``min(1, C / (scale * (norm +
+        floor)))``, in ``[0, 1]``, so a zero gradient and ``C = inf`` get 1 and
+        a gradient a little below ``C`` (within the margin) is scaled a little;
+        normalisation gives ``C / (scale * (norm + floor) + gamma)``, in ``[0,
+        C/gamma)``. A non-finite norm gives 0.
 
-    >>> clip_factors(torch.tensor([0.5, 2.0, float("nan")]), clip_norm=1.0)
-    tensor([1.0000, 0.5000, 0.0000])
+    The default margin (float32 rows, any size) is visible in the fourth digit; the
+    margin of a small float64 problem only in the tenth:
+
+    >>> norms = torch.tensor([0.5, 2.0, float("nan")], dtype=torch.float64)
+    >>> clip_factors(norms, clip_norm=1.0)
+    tensor([1.0000, 0.4999, 0.0000], dtype=torch.float64)
+    >>> f = clip_factors(norms, 1.0, rows=3, dtype=torch.float64, size=10)
+    >>> bool(0.5 - 1e-9 < f[1] < 0.5)
+    True
     """
+    if rows is None:
+        first = next(iter(norms.values()), None) if isinstance(norms, Mapping) else norms
+        rows = 0 if first is None else int(first.shape[0])
+    margin = clip_margin(rows, dtype, size)
     if isinstance(norms, Mapping):
         thresholds = _group_thresholds(clip_norm, list(norms))
-        return {
-            g: clip_factors(n, thresholds[g], normalize=normalize, gamma=gamma)
-            for g, n in norms.items()
-        }
+        return {g: _factors(n, thresholds[g], normalize, gamma, margin) for g, n in norms.items()}
     if not isinstance(clip_norm, Tensor):  # a tensor: adaptive clipping's current norm, > 0
         _check_clip_norm(clip_norm)
+    return _factors(norms, clip_norm, normalize, gamma, margin)
+
+
+def _factors(norms: Tensor, clip_norm, normalize: bool, gamma: float, margin: ClipMargin):
+    norms = norms.to(torch.promote_types(norms.dtype, F64))  # the margin covers float64 roundings
+    bound = (norms + margin.floor) * margin.scale  # at least the norm the sum can reach
     if normalize:
         if not isinstance(clip_norm, Tensor) and math.isinf(clip_norm):
             raise ValueError("normalized clipping needs a finite clip_norm, got clip_norm=inf")
         check_number("gamma", gamma, low=0, low_open=True, high_open=True)
-        factors = clip_norm / (norms + gamma)
+        factors = clip_norm / (bound + gamma)
     else:
-        tiny = torch.finfo(norms.dtype).tiny
-        factors = torch.clamp(clip_norm / (norms + tiny), max=1.0)
+        factors = torch.clamp(clip_norm / bound, max=1.0)
     return torch.where(torch.isfinite(norms), factors, torch.zeros_like(factors))
 
 
@@ -224,7 +408,12 @@ def clipped_sum(
         groups: the grouping the factors were computed with.
 
     Returns:
-        A tree like one example's gradient. An example with weight 0
+        A tree like one example's gradient, each leaf in the
+        :func:`accumulation_dtype` of its gradient: float32 for bf16, fp16
+        and float32, float64 for float64. Half gradients are upcast (exactly)
+        before the weights multiply them, so the rows are never summed in
+        half precision; the weights are rounded once to that dtype, which
+        :func:`clip_margin` covers. An example with weight 0
         (masked, or dropped for a non-finite norm) contributes exactly 0,
         even if its gradient holds NaN or inf. With ``B = 0`` the sum is 0.
     """
@@ -238,6 +427,7 @@ def clipped_sum(
     else:
         leaf_weights = tree_map(lambda g: weights, grads)
     leaves, spec = optree.tree_flatten(grads)
+    leaves = [g.to(accumulation_dtype(g.dtype)) for g in leaves]
     ws = [w.to(g.dtype) for w, g in zip(optree.tree_leaves(leaf_weights), leaves)]
     if torch.compiler.is_compiling():  # inductor fuses the masked sum into one reduction
         return optree.tree_unflatten(spec, [_masked_sum(w, g) for w, g in zip(ws, leaves)])
@@ -274,7 +464,10 @@ def _masked_sum(w: Tensor, g: Tensor) -> Tensor:
 
 
 def unclipped_count(norms: Tensor, clip_norm: float | Tensor, mask: Tensor | None = None) -> Tensor:
-    """``sum_i mask_i * [norm_i <= clip_norm]``: the examples the clip left unscaled.
+    """``sum_i mask_i * [norm_i <= clip_norm]``: the examples whose norm is within the clip.
+
+    (:func:`clip_factors` also scales, by its rounding margin, the few whose
+    norm is within about 1e-5 of ``clip_norm``; they count here as unclipped.)
 
     The statistic of adaptive clipping (Andrew et al. 2021, Algorithm 1).
     Adding or removing one example changes it by at most 1, so Gaussian

@@ -38,7 +38,8 @@ step per logical batch with the whole dataset's ``sample_rate``, and the
 average divides by the GLOBAL ``expected_batch_size = sample_rate *
 num_examples``, never by a rank's share. The result equals the
 single-process step on the concatenated batch up to float summation order
-(about 1e-7 relative in float32).
+(the running sum is float64, so about 1e-16 relative across ranks; within a
+rank's micro-batch the sum is float32 for float32 parameters).
 
 **Metrics** (:func:`~dpfunc.summarize`) are computed from the per-example
 stats of ALL ranks, all-gathered, so every rank reports the same
@@ -504,8 +505,13 @@ class DistributedTrainStep(TrainStep):
     def all_reduce(self, summed: Params, *, step: int | Tensor | None = None) -> Params:
         """The clipped sum of the whole logical batch: ``summed`` summed over ranks.
 
-        ``step`` only labels error messages. Returns a new tree; the same
-        tensors (bit for bit) on every rank.
+        ``summed`` is the float64 running sum of :meth:`zeros` and
+        :meth:`accumulate`: the reduction adds in float64, whose rounding the
+        clip margin covers (``dpfunc.clipping.ACCUMULATED_SUMS`` counts
+        micro-batches and ranks together), so every example's contribution
+        to the reduced sum still has norm at most ``clip_norm``. ``step``
+        only labels error messages. Returns a new tree; the same tensors (bit
+        for bit) on every rank.
         """
         return all_reduce_sum(summed, step=step, what="all_reduce of the clipped gradient sum")
 
@@ -567,11 +573,13 @@ class DistributedTrainStep(TrainStep):
         """One private step; each rank passes its own share in one micro-batch.
 
         The metrics (and adaptive clipping's count) cover the whole logical
-        batch: all ranks' stats, gathered.
+        batch: all ranks' stats, gathered. As ``zeros``, ``accumulate`` and
+        ``apply``: the float64 sum is all-reduced.
         """
         check_same_structure(noise, state.params, "noise", "params")
-        summed, stats = self.clip(
-            state.params, batch, mask, state.clip_norm if self.adaptive else None
+        clip_norm = state.clip_norm if self.adaptive else None
+        summed, stats = self.accumulate(
+            self.zeros(state.params), state.params, batch, mask, clip_norm
         )
         stats = self.gather_stats(stats, step=state.step)
         count = self.unclipped_count(state, stats) if self.adaptive else None

@@ -39,9 +39,10 @@ Braghin 2021, "Secure Random Sampling in Differential Privacy", for the
 Gaussian): floating-point noise takes values on a sparse, irregular set,
 and so does ``value + noise`` after rounding, so the low bits of a released
 number can reveal which value it came from. dpfunc's defence: the secure
-tree is float64 whatever the parameters' dtype, and :func:`add_noise` forms
-``summed + std * noise`` at that precision and rounds it once to the
-parameters' dtype. For float32, float16 and bfloat16 parameters the noise is
+tree is float64 whatever the parameters' dtype, :func:`add_noise` forms
+``summed + std * noise`` at that precision (the step's running sum is
+float64 too), and the step rounds the result once to the parameters' dtype,
+after the average. For float32, float16 and bfloat16 parameters the noise is
 about ``2**29`` times finer than the output's spacing, so every output value
 has (up to a relative error of about ``2**-29``) the Gaussian mass of its
 rounding interval: the release is a rounding, i.e. a post-processing, of the
@@ -159,8 +160,9 @@ def standard_normal_like(
             step, by domain separation of the key.
 
     Returns:
-        A tree like ``params``: leaves in their own dtype by default,
-        float64 with ``secure=True``; an empty tree gives an empty tree.
+        A tree like ``params``: leaves in their own dtype by default (float32
+        for bfloat16 and float16 ones), float64 with ``secure=True``; an empty
+        tree gives an empty tree.
 
     Raises:
         ValueError: ``seed`` or ``step`` is not a non-negative int,

@@ -21,6 +21,15 @@ flags: no amsgrad, no maximize) step for step. The optimizer only ever sees
 the private gradient, so it is post-processing and costs no privacy.
 Parameters are real floating-point tensors; every hyperparameter is checked
 once, when the transformation is built.
+
+Half precision: for bf16 and fp16 parameters the state (momentum, moments)
+is float32, the incoming gradient is widened to float32, and the update is
+computed and returned in float32; :func:`apply_updates` adds it to the
+parameter in float32 and rounds the sum once to the parameter's dtype. A
+bf16 moment would lose the small terms ``(1 - b2) * g**2`` that float32
+keeps, and ``1 - 0.999**t`` is 0 in bf16. Scalars that depend on the step
+(Adam's bias corrections) are computed in float64 and applied in the state's
+dtype. Float32 and float64 parameters keep their dtype throughout.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_number
-from .tree import Params, PyTree, check_same_structure, tree_map, tree_zeros_like
+from .tree import Params, PyTree, check_same_structure, tree_map
 
 State = Any  # a NamedTuple (or tuple) of tensors
 
@@ -55,24 +64,44 @@ class EmptyState(NamedTuple):
 
 
 class SgdState(NamedTuple):
-    momentum: Params | None  # like params; None when momentum == 0
+    momentum: Params | None  # like params (float32 for half ones); None when momentum == 0
     count: Tensor  # shape (), int64: steps taken
 
 
 class AdamState(NamedTuple):
-    exp_avg: Params  # like params: first moment m
-    exp_avg_sq: Params  # like params: second moment v
+    exp_avg: Params  # like params (float32 for half ones): first moment m
+    exp_avg_sq: Params  # like params (float32 for half ones): second moment v
     count: Tensor  # shape (), int64: steps taken
+
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the state and the update for parameters of ``dtype``: float32 for half."""
+    return torch.float32 if dtype in HALF else dtype
+
+
+def _widen(t: Tensor) -> Tensor:
+    return t.to(state_dtype(t.dtype))
+
+
+def _state_zeros(params: PyTree) -> PyTree:
+    return tree_map(lambda p: torch.zeros_like(p, dtype=state_dtype(p.dtype)), params)
 
 
 def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     """``params + updates`` leaf by leaf, as new tensors (``params`` is unchanged).
 
+    Each sum is computed in the wider of the two dtypes and rounded once to
+    the parameter's dtype: a bf16 parameter with a float32 update stays bf16
+    and is rounded once, not twice.
+
     Raises:
         ValueError: ``updates`` and ``params`` differ in tree structure or leaf shape.
     """
     check_same_structure(updates, params, "updates", "params")
-    return tree_map(torch.add, params, updates)
+    return tree_map(lambda p, u: torch.add(p, u).to(p.dtype), params, updates)
 
 
 def scale(factor: float) -> GradientTransformation:
@@ -144,7 +173,8 @@ def sgd(
 
     The first-step case ``buf_1 = d`` (no dampening) is a ``torch.where`` on
     the step counter, so the compiled step is one graph for all steps.
-    State: :class:`SgdState` (no momentum buffer when ``momentum == 0``).
+    State: :class:`SgdState` (no momentum buffer when ``momentum == 0``),
+    float32 for bf16 and fp16 parameters, whose updates are float32 too.
 
     Raises:
         ValueError: ``lr <= 0``; ``momentum`` outside [0, 1); ``dampening``
@@ -164,14 +194,15 @@ def sgd(
         )
 
     def init(params: PyTree) -> SgdState:
-        buffers = tree_zeros_like(params) if momentum > 0 else None
+        buffers = _state_zeros(params) if momentum > 0 else None
         return SgdState(buffers, torch.zeros((), dtype=torch.int64))
 
     def update(grads: PyTree, state: SgdState, params: PyTree = None):
+        grads = tree_map(_widen, grads)
         if weight_decay > 0:
             _require_params(params, "sgd", "weight_decay")
             check_same_structure(grads, params, "grads", "params")
-            grads = tree_map(lambda g, p: g + weight_decay * p, grads, params)
+            grads = tree_map(lambda g, p: g + weight_decay * _widen(p), grads, params)
         if momentum == 0:
             return tree_map(lambda d: -lr * d, grads), SgdState(None, state.count + 1)
 
@@ -203,9 +234,12 @@ def adam(
         m_t = lerp(m_{t-1}, d, 1 - b1),   v_t = b2 * v_{t-1} + (1 - b2) * d**2
         update = -lr / (1 - b1**t) * m_t / (sqrt(v_t) / sqrt(1 - b2**t) + eps)
 
-    The bias corrections are computed from the 0-d step counter in each
-    parameter's dtype (float64 parameters stay float64), so the compiled step
-    is one graph for all steps. State: :class:`AdamState`.
+    The bias corrections are computed from the 0-d step counter in float64
+    (as torch.optim computes them, in Python floats) and applied in the
+    state's dtype, so the compiled step is one graph for all steps. State:
+    :class:`AdamState`, float32 for bf16 and fp16 parameters, whose updates
+    are float32 too. A gradient entry that has been 0 on every step gets a
+    zero update (``0 / eps``), never NaN.
 
     Raises:
         ValueError: ``lr <= 0``; a beta outside [0, 1); ``eps <= 0``;
@@ -245,27 +279,30 @@ def _adam(lr, betas, eps, weight_decay, decoupled: bool) -> GradientTransformati
 
     def init(params: PyTree) -> AdamState:
         zeros = torch.zeros((), dtype=torch.int64)
-        return AdamState(tree_zeros_like(params), tree_zeros_like(params), zeros)
+        return AdamState(_state_zeros(params), _state_zeros(params), zeros)
 
     def update(grads: PyTree, state: AdamState, params: PyTree = None):
+        grads = tree_map(_widen, grads)
         if weight_decay > 0:
             _require_params(params, "adamw" if decoupled else "adam", "weight_decay")
             check_same_structure(grads, params, "grads", "params")
             if not decoupled:
-                grads = tree_map(lambda g, p: g + weight_decay * p, grads, params)
+                grads = tree_map(lambda g, p: g + weight_decay * _widen(p), grads, params)
         count = state.count + 1
         exp_avg = tree_map(lambda m, d: torch.lerp(m, d, 1 - b1), state.exp_avg, grads)
         exp_avg_sq = tree_map(lambda v, d: b2 * v + (1 - b2) * (d * d), state.exp_avg_sq, grads)
+        # float64 scalars: b2 = 0.999 is 1 in bf16, and 1 - b2**t loses digits in float32
+        t = count.to(torch.float64)
+        step_size = lr / (1 - b1**t)
+        correction = (1 - b2**t).sqrt()
 
         def adam_update(m: Tensor, v: Tensor) -> Tensor:
-            t = count.to(device=m.device, dtype=m.dtype)
-            step_size = lr / (1 - b1**t)
-            denom = v.sqrt() / (1 - b2**t).sqrt() + eps
-            return -step_size * (m / denom)
+            denom = v.sqrt() / correction.to(m.device, m.dtype) + eps
+            return -step_size.to(m.device, m.dtype) * (m / denom)
 
         updates = tree_map(adam_update, exp_avg, exp_avg_sq)
         if decoupled and weight_decay > 0:
-            updates = tree_map(lambda u, p: u - (lr * weight_decay) * p, updates, params)
+            updates = tree_map(lambda u, p: u - (lr * weight_decay) * _widen(p), updates, params)
         return updates, AdamState(exp_avg, exp_avg_sq, count)
 
     return GradientTransformation(init, update)
@@ -290,4 +327,5 @@ __all__ = [
     "chain",
     "scale",
     "sgd",
+    "state_dtype",
 ]

@@ -17,6 +17,18 @@ the clipped sum from each covered layer's inputs and output gradients without
 materialising per-example gradients (see :mod:`dpfunc.ghost`), falling back to
 vmap for the parameters it cannot handle; ``"auto"`` (the default) ghosts only
 the layers where that is cheaper. All give the same sum.
+
+Precision. A micro-batch's clipped sum is computed in the accumulation dtype
+(float32 for bf16, fp16 and float32 parameters, float64 for float64; see
+:func:`dpfunc.clipping.accumulation_dtype`), with clip factors whose rounding
+margin (:func:`dpfunc.clipping.clip_margin`) covers the norm's rounding and
+that sum's. The running sum of a logical batch, across micro-batches (and
+ranks, :mod:`dpfunc.distributed`), is float64, whose additions the margin
+covers too (``ACCUMULATED_SUMS``): every example's contribution to the sum
+the noise is added to has norm at most ``clip_norm``, rounding included.
+``apply`` adds the noise and averages in float64 and rounds only then, a
+post-processing of the noisy sum, to the parameters' dtype (float32 for
+half-precision parameters, whose optimizer state and update are float32).
 """
 
 from __future__ import annotations
@@ -30,20 +42,23 @@ from torch import Tensor, nn
 from . import optim
 from .checks import check_choice, check_int, check_number
 from .clipping import (
+    accumulation_dtype,
     adaptive_clip_norm,
     clip_factors,
     clipped_sum,
     groups_by_module,
     per_sample_norms,
+    rounding_scope,
     unclipped_count,
 )
 from .ghost import GhostClipper, ghost_clip
 from .matrix_factorization import init_noise_history, normalized_coefficients, solve_recurrence
 from .noise import add_noise, average, check_expected_batch_size
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
-from .tree import Params, PyTree, check_same_structure, tree_add, tree_zeros_like
+from .tree import Params, PyTree, check_same_structure, tree_add, tree_map
 
 CLIPPING_MODES = ("flat", "per_layer", "normalized")
+SUM_DTYPE = torch.float64  # the running clipped sum of a logical batch
 METHODS = ("auto", "vmap", "ghost")
 
 
@@ -242,8 +257,13 @@ class TrainStep:
         return self.target_quantile is not None
 
     def zeros(self, params: Params) -> Params:
-        """An empty clipped sum, to start accumulating a logical batch."""
-        return tree_zeros_like(params)
+        """An empty clipped sum, to start accumulating a logical batch: float64 zeros.
+
+        The running sum is float64 whatever the parameters' dtype, so adding
+        micro-batch sums rounds each contribution by at most ``2**-53`` per
+        addition (covered by the clip margin, see the module docstring).
+        """
+        return tree_map(lambda p: torch.zeros_like(p, dtype=SUM_DTYPE), params)
 
     def clip(
         self, params: Params, batch: PyTree, mask: Tensor | None, clip_norm: Tensor | None = None
@@ -252,6 +272,10 @@ class TrainStep:
 
         ``clip_norm``: adaptive clipping's current norm (``state.clip_norm``);
         ``None`` clips at the fixed ``clip_norm`` the step was built with.
+        The sum is in the accumulation dtype of each parameter (float32 for
+        bf16, fp16 and float32, float64 for float64); the clip factors carry
+        the rounding margin for this micro-batch's rows, the gradients'
+        dtype and size (public: shapes and dtypes).
         """
         clip = self.clip_norm if clip_norm is None else clip_norm
         size = batch_size(batch)
@@ -266,7 +290,10 @@ class TrainStep:
             dtype = next(iter(params.values())).dtype
             empty = torch.zeros(0, dtype=dtype, device=mask.device)
             stats = ExampleStats(empty, empty.to(torch.float64), mask, mask)
-            return tree_zeros_like(params), stats
+            zeros = tree_map(
+                lambda p: p.new_zeros(p.shape, dtype=accumulation_dtype(p.dtype)), params
+            )
+            return zeros, stats
         if self._ghost is not None:
             plan = self._ghost.plan(params, batch)
             if plan.modules:
@@ -285,16 +312,18 @@ class TrainStep:
         grads, losses = per_sample_grads_and_losses(
             self.loss_fn, params, batch, chunk_size=self.chunk_size
         )
+        margin = rounding_scope(params, size)
         if self.clipping == "per_layer":
             groups = groups_by_module(grads)
             group_norms = per_sample_norms(grads, groups)
-            factors = clip_factors(group_norms, self.clip_norm)
+            factors = clip_factors(group_norms, self.clip_norm, **margin)
             total = sum(n.square() for n in group_norms.values()).sqrt()
             scaled = torch.stack([f < 1 for f in factors.values()]).any(0)
             summed = clipped_sum(grads, factors, mask, groups)
         else:
             total = per_sample_norms(grads)
-            factors = clip_factors(total, clip, normalize=self.clipping == "normalized")
+            normalize = self.clipping == "normalized"
+            factors = clip_factors(total, clip, normalize=normalize, **margin)
             scaled = factors < 1
             summed = clipped_sum(grads, factors, mask)
         return summed, ExampleStats(losses.detach(), total, scaled, mask)
@@ -336,6 +365,12 @@ class TrainStep:
         count_noise`` (``count_noise``: a standard normal 0-d tensor from
         ``standard_normal_like(..., stream="count")``) and moves
         ``state.clip_norm`` by :func:`dpfunc.clipping.adaptive_clip_norm`.
+
+        The noise is added and the average taken in ``summed``'s dtype
+        (float64 from :meth:`zeros` and :meth:`accumulate`); the result is
+        rounded only then, before the optimizer, to each parameter's
+        accumulation dtype (float32 for half-precision parameters, whose
+        optimizer state and update are float32 too; see :mod:`dpfunc.optim`).
         """
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
@@ -360,6 +395,9 @@ class TrainStep:
         if self.bands > 1:
             noise, history = solve_recurrence(noise, history, self.coefficients)
         private = average(add_noise(summed, noise, std), self.expected_batch_size)
+        # rounded only after the noise (a post-processing), to float32 for half-precision
+        # parameters: the optimizer keeps its state and forms its update in float32
+        private = tree_map(lambda u, p: u.to(accumulation_dtype(p.dtype)), private, state.params)
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1, clip_norm, history)
@@ -372,10 +410,16 @@ class TrainStep:
         noise: Params,
         count_noise: Tensor | None = None,
     ) -> tuple[TrainState, dict[str, Tensor]]:
-        """One private step on a logical batch held in one micro-batch."""
+        """One private step on a logical batch held in one micro-batch.
+
+        The same as ``zeros``, one ``accumulate`` and ``apply``: the sum is
+        float64 before the noise.
+        """
         check_same_structure(noise, state.params, "noise", "params")
         clip_norm = state.clip_norm if self.adaptive else None
-        summed, stats = self.clip(state.params, batch, mask, clip_norm)
+        summed, stats = self.accumulate(
+            self.zeros(state.params), state.params, batch, mask, clip_norm
+        )
         count = self.unclipped_count(state, stats) if self.adaptive else None
         return self.apply(state, summed, noise, count, count_noise), summarize(stats)
 

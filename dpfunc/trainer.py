@@ -45,6 +45,7 @@ from . import distributed as _distributed
 from . import optim
 from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
 from .checks import check_choice, check_int, check_number, check_params
+from .clipping import ACCUMULATED_SUMS
 from .data import PoissonBatches, as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .per_sample import LossFn
@@ -278,6 +279,12 @@ class Trainer:
             share = expected_batch_size / self.world_size  # each rank's expected share
             physical_batch_size = math.ceil(share + 3 * math.sqrt(share))
         check_int("physical_batch_size", physical_batch_size, minimum=1)
+        if math.ceil(n / physical_batch_size) + self.world_size > ACCUMULATED_SUMS:
+            raise ValueError(  # the clip margin covers this many float64 additions
+                f"physical_batch_size={physical_batch_size!r} could split a logical batch of "
+                f"{n} examples into more than {ACCUMULATED_SUMS} micro-batches, beyond what "
+                "the rounding bound of the clipped sum covers; raise physical_batch_size"
+            )
         if epsilon_budget is not None:
             check_number("epsilon_budget", epsilon_budget, low=0, low_open=True)
         if checkpoint_every is not None:

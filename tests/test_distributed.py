@@ -480,9 +480,39 @@ def test_boundaries_and_a_one_rank_group_in_this_process(monkeypatch):
         assert detected.steps_done == alone.steps_done == 4
         for k in alone.params:  # one rank: the all-reduce is the identity
             assert torch.equal(detected.params[k], alone.params[k])
+        one_example_sum_stays_float64_and_within_the_clip_norm()
     finally:
         dpfunc.distributed.shutdown()
     assert not dpfunc.distributed.is_initialized()
+
+
+def one_example_sum_stays_float64_and_within_the_clip_norm():
+    """The all-reduced running sum is float64: one example near C stays within C."""
+    size, clip_norm = 5000, 0.3
+    params = {"w": torch.zeros(size)}
+
+    def loss_fn(p, example):
+        return (p["w"] * example).sum()  # the example's gradient is the example
+
+    step = dpfunc.distributed.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=1.0), clip_norm=clip_norm, noise_multiplier=0.0,
+        expected_batch_size=1.0,
+    )  # fmt: skip
+    x = torch.ones(size) * (clip_norm / math.sqrt(size))  # constant: the worst accumulation
+    summed = step.zeros(params)
+    for real in (False, True):
+        batch, mask = torch.randn(4, size), torch.zeros(4)
+        if real:
+            batch[2], mask[2] = x, 1.0
+        summed, _ = step.accumulate(summed, params, batch, mask)
+    reduced = step.all_reduce(summed)
+    assert reduced["w"].dtype == torch.float64
+    assert float(torch.linalg.vector_norm(reduced["w"])) <= clip_norm
+    noise = {"w": torch.zeros(size)}
+    state = step.init(params)
+    one_call, _ = step(state, batch, mask, noise)
+    long_way, _ = step.accumulate(step.zeros(params), params, batch, mask)
+    assert torch.equal(one_call.params["w"], step.apply(state, long_way, noise).params["w"])
 
 
 if __name__ == "__main__":

@@ -267,12 +267,14 @@ def test_one_band_is_the_dp_sgd_step_bit_for_bit():
         noise = dpfunc.standard_normal_like(params, seed=11, step=t)
         mask = (torch.arange(16) % (t + 2) != 0).float()
         state, _ = banded(state, (x, y), mask, noise)
-        # DP-SGD from the pure pieces, with the same secret
+        # DP-SGD from the pure pieces, with the same secret and the step's rounding margin;
+        # the step sums in float64 and rounds to the parameters' dtype after the noise
         grads = dpfunc.per_sample_grads(loss_fn, reference, (x, y))
-        factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads), 0.7)
-        summed = dpfunc.clipped_sum(grads, factors, mask)
+        scope = dpfunc.clipping.rounding_scope(reference, rows=16)
+        factors = dpfunc.clip_factors(dpfunc.per_sample_norms(grads), 0.7, **scope)
+        summed = {k: v.double() for k, v in dpfunc.clipped_sum(grads, factors, mask).items()}
         update = dpfunc.average(dpfunc.add_noise(summed, noise, 1.1 * 0.7), 12.0)
-        reference = {k: reference[k] - 0.2 * update[k] for k in reference}
+        reference = {k: reference[k] - 0.2 * update[k].float() for k in reference}
         for k in params:
             assert torch.equal(state.params[k], reference[k]), k
 

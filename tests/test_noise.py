@@ -273,14 +273,14 @@ def test_a_step_with_secure_noise_keeps_float32_parameters():
     )
 
 
-def test_a_secure_step_releases_the_noisy_sum_rounded_once_then_averaged():
-    """Zero gradients, SGD with lr=1: the update is the float32 rounding of std * z, averaged."""
+def test_a_secure_step_releases_the_noisy_average_rounded_once():
+    """Zero gradients, SGD with lr=1: the update is the float32 rounding of std * z / B."""
     sigma, clip_norm, expected = 1.3, 0.7, 3.0
     params = {"w": torch.zeros(1000)}
     step = zero_gradient_step(sigma, clip_norm, expected)
     noise = dpfunc.standard_normal_like(params, seed=SECRET, step=0, secure=True)
     state, _ = step(step.init(params), torch.ones(4, 1), torch.ones(4), noise)
-    released = (sigma * clip_norm * noise["w"]).float() / expected
+    released = (sigma * clip_norm * noise["w"] / expected).float()  # float64, then one rounding
     assert state.params["w"].dtype == torch.float32
     torch.testing.assert_close(-state.params["w"], released, rtol=0, atol=0)
 

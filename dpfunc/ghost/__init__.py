@@ -25,7 +25,10 @@ Where each piece lives:
   input and output embeddings or a layer called twice, is ghosted when every
   site is);
 * :mod:`~dpfunc.ghost.runtime`: the hooks and the ghost pass;
-* :mod:`~dpfunc.ghost.bounds`: norms that bound the rounding of the sum.
+* :mod:`~dpfunc.ghost.bounds`: norms that bound the rounding of the sum; bf16
+  and fp16 forms are widened to float32 first, so the norms, their bounds and
+  the clipped sum (float32 for half parameters) are float32's, as in the
+  vmap path (see ``docs/precision.md``).
 
 The contract every rule keeps: each example's norm is an upper bound on the
 norm of the contribution actually summed, rounding included. Where TF32

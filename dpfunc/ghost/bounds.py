@@ -7,6 +7,14 @@ gradients, a small gradient) while its contribution to the sum is large.
 Every norm here is therefore an upper bound that covers the rounding of both
 the norm and the sum (Higham's ``gamma_n`` bounds for dot products and
 sums), so the contribution that is summed never exceeds the clip bound.
+
+Half precision (bf16, fp16) is accumulated in float32: :func:`widen_form`
+upcasts a rule's forms (exactly: every half value is a float32 value) before
+any product or sum, so the bounds use float32's unit roundoff, and the
+clipped sum of half parameters is float32. Rounding the layer's input to the
+half dtype belongs to the forward (the layer computed with that value), not
+to the sum, and needs no bound. Half's own unit roundoff (2^-9 for bf16) in a
+``gamma_n`` would make the bound meaningless: ``gamma_{257}`` is infinite.
 """
 
 from __future__ import annotations
@@ -18,17 +26,52 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..clipping import accumulation_dtype
 from .registry import Outer
 
-__all__ = ["Sites", "linear_weight_norms", "form_norms", "form_sum", "combine"]
+__all__ = [
+    "Sites",
+    "combine",
+    "form_norms",
+    "form_sum",
+    "formed_norms",
+    "linear_weight_norms",
+    "widen",
+    "widen_form",
+]
 
 F64 = torch.float64
+
+
+def widen(t: Tensor) -> Tensor:
+    """``t`` in :func:`~dpfunc.clipping.accumulation_dtype`, the vmap path's: float32 for
+    bf16 and fp16 (exact: a half value is a float32 value), else unchanged."""
+    return t.to(accumulation_dtype(t.dtype))
+
+
+def widen_form(form: Outer | Tensor) -> Outer | Tensor:
+    """A rule's form with its floating-point tensors in :func:`accumulation_dtype`."""
+    if isinstance(form, Outer):
+        left, right = form
+        return Outer(left if _is_index(left) else widen(left), widen(right))
+    return widen(form)
 
 
 def squared_norms(t: Tensor) -> Tensor:
     """Each example's squared L2 norm, accumulated in float64: ``[B, ...] -> [B]``."""
     flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
     return torch.linalg.vector_norm(flat, dim=1, dtype=F64).square()
+
+
+def formed_norms(t: Tensor) -> Tensor:
+    """:func:`squared_norms` of formed gradients ``t [B, ...]``, times ``(1 + gamma_2)^2``.
+
+    :func:`weighted_sum` multiplies each entry by the clip factor cast to the
+    accumulation dtype: two roundings, so the contribution is at most
+    ``(1 + gamma_2)`` times the factor times the norm (the other examples'
+    rows are exact zeros and add no rounding).
+    """
+    return squared_norms(t) * (1 + gamma(2, accumulation_dtype(t.dtype))) ** 2
 
 
 def _expand(w: Tensor, like: Tensor) -> Tensor:
@@ -47,7 +90,8 @@ def scaled(t: Tensor, w: Tensor) -> Tensor:
 
 
 def weighted_sum(g: Tensor, w: Tensor) -> Tensor:
-    return scaled(g, w).sum(0)
+    """``sum_i w_i g_i`` in :func:`accumulation_dtype` (float32 for half ``g``)."""
+    return scaled(widen(g), w).sum(0)
 
 
 def gamma(n: int, dtype: torch.dtype) -> float:
@@ -80,11 +124,13 @@ def linear_weight_norms(
     squared norm, ``direct`` adds ``gamma_T S`` to the norm, and every form
     adds ``gamma_{summed_over + 2} S`` for the sum over ``summed_over`` rows
     and the clip factor's two roundings (its cast to the gradients' dtype and
-    the product by it).
+    the product by it). Half ``a`` and ``g`` are widened to float32 first, as
+    :func:`form_sum` sums them, so the bounds are float32's.
     Measured in float32, the bound exceeds the exact norm by a relative
     1.5e-5 with one position and 256 rows, and by 1e-4 to 2e-4 with 32 to 64
     positions; it is loose only for examples whose positions cancel.
     """
+    a, g = widen(a), widen(g)  # half forms are summed in float32 (see form_sum)
     t, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
     dtype = torch.promote_types(a.dtype, g.dtype)
     if form is None:
@@ -108,6 +154,7 @@ def linear_weight_norms(
 
 def _index_norms(idx: Tensor, g: Tensor, summed_over: int) -> Tensor:
     """:func:`linear_weight_norms` for one-hot rows ``idx [N, T]`` (``|a_t| = 1``, exact)."""
+    g = widen(g)
     t, dim = g.shape[1], g.shape[2]
     same = idx[:, :, None] == idx[:, None, :]
     gram = torch.where(same, torch.bmm(g, g.mT), g.new_zeros(())).sum((1, 2), dtype=F64)
@@ -165,11 +212,14 @@ def _sites_norms(sites: Sites) -> Tensor:
 
 
 def form_norms(form: Outer | Sites | Tensor) -> Tensor:
-    """Each example's squared gradient norm (an upper bound for :class:`Outer`), float64 ``[B]``."""
+    """Each example's squared gradient norm, an upper bound on the contribution
+    :func:`form_sum` sums (rounding included), float64 ``[B]``. Half forms are
+    widened first (:func:`widen_form`), so the bounds are float32's."""
     if isinstance(form, Sites):
-        return _sites_norms(form)
+        return _sites_norms(Sites(tuple(widen_form(f) for f in form.forms)))
+    form = widen_form(form)
     if not isinstance(form, Outer):
-        return squared_norms(form)
+        return formed_norms(form)
     left, right = form
     b, rows = right.shape[0], math.prod(right.shape[1:-1])  # every position of the batch ...
     if _is_index(left):
@@ -184,9 +234,13 @@ def form_norms(form: Outer | Sites | Tensor) -> Tensor:
 
 
 def form_sum(form: Outer | Sites | Tensor, w: Tensor, shape: torch.Size) -> Tensor:
-    """``sum_i w_i grad_i`` shaped like the parameter; weight-0 rows add exactly 0."""
+    """``sum_i w_i grad_i`` shaped like the parameter; weight-0 rows add exactly 0.
+
+    Accumulated in :func:`accumulation_dtype`: float32 for half forms.
+    """
     if isinstance(form, Sites):
         return sum(form_sum(f, w, shape) for f in form.forms)
+    form = widen_form(form)
     if not isinstance(form, Outer):
         return weighted_sum(form, w).reshape(shape)
     left, right = form

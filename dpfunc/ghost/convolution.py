@@ -12,6 +12,7 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .bounds import widen
 from .linear import cheaper as linear_cheaper
 from .registry import Outer, register_rule
 
@@ -20,8 +21,8 @@ def convolution(module: nn.Conv1d | nn.Conv2d, x: Tensor, g: Tensor, weights: di
     nd = len(module.kernel_size)
     c_in, c_out, groups = module.in_channels, module.out_channels, module.groups
     b = g.shape[0]
-    x = x.reshape(-1, c_in, *x.shape[x.dim() - nd :]).to(g.dtype)  # [B * N, C_in, ...]
-    g = g.reshape(x.shape[0], c_out, -1)  # [B * N, C_out, L]
+    x = widen(x.reshape(-1, c_in, *x.shape[x.dim() - nd :]).to(g.dtype))  # [B * N, C_in, ...]
+    g = widen(g.reshape(x.shape[0], c_out, -1))  # [B * N, C_out, L]; half: float32 sums
     padding = module._reversed_padding_repeated_twice
     mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
     if any(padding):

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from .bounds import widen
 from .registry import Outer, register_rule
 
 
 def positions(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
-    """``(A [B, T, d_in], G [B, T, d_out])``: every leading position of one example as a row."""
+    """``(A [B, T, d_in], G [B, T, d_out])``: every leading position of one example as a row.
+
+    ``x`` is first rounded to the dtype of ``g`` (the layer's output: autocast
+    rounds a float32 input to bf16 before the product, part of the forward),
+    then both are widened to float32 if half, so the bias sum is float32's.
+    """
     b = g.shape[0]
     g = g.reshape(b, -1, g.shape[-1])
-    return x.reshape(b, -1, x.shape[-1]).to(g.dtype), g
+    return widen(x.reshape(b, -1, x.shape[-1]).to(g.dtype)), widen(g)
 
 
 def cheaper(d_in: int, d_out: int, t: int) -> bool:

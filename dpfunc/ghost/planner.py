@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 
-from ..clipping import clip_factors, clipped_sum, per_sample_norms
+from ..clipping import accumulation_dtype, clip_factors, clipped_sum, per_sample_norms
 from ..per_sample import per_sample_grads_and_losses
 from ..tree import Params, PyTree
 from .registry import rule_for
@@ -287,9 +287,11 @@ def tf32_risk(device: torch.device, dtype: torch.dtype) -> bool:
     ``torch.backends.mkldnn.matmul.fp32_precision`` asks for it (``"medium"``
     sets bf16). Any such flag counts, whether or not this CPU has the units.
     The convolution rule sums through matmuls too, so cuDNN's own TF32 flag
-    does not matter.
+    does not matter. ``dtype`` is the layer's output dtype: bf16 and fp16
+    layers are at risk too, since their products run in float32
+    (:func:`dpfunc.clipping.accumulation_dtype`).
     """
-    if dtype != torch.float32:
+    if accumulation_dtype(dtype) != torch.float32:
         return False
     legacy, cuda, cpu = matmul_precision()
     exact = ("none", "ieee")

@@ -10,7 +10,10 @@ every parameter left to vmap. The rules turn each call's ``(x, g)`` into
 per-example gradient forms; the runtime joins the forms of a parameter used
 at several sites, takes norms (rounding bounds included) and clip factors,
 and sums. The norm and the sum come from the same forms, so the contribution
-whose norm is bounded is exactly the one that is summed.
+whose norm is bounded is exactly the one that is summed. Forms of half
+precision (bf16, fp16) are widened to float32 before any product or sum
+(:func:`dpfunc.ghost.bounds.widen_form`): the norms and the clipped sum
+accumulate in float32, and the sum of half parameters is returned in float32.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad_and_value
 
-from ..clipping import clip_factors, groups_by_module
+from ..clipping import clip_factors, groups_by_module, rounding_scope
 from ..per_sample import vmap_over_examples
 from ..tree import Params, PyTree
 from . import dispatch
-from .bounds import combine, form_norms, form_sum, squared_norms, weighted_sum
+from .bounds import combine, form_norms, form_sum, formed_norms, weighted_sum, widen_form
 from .registry import Rule, rule_for
 
 if TYPE_CHECKING:
@@ -199,8 +202,11 @@ def ghost_clip(
     Returns:
         ``(summed, losses[B], norms[B] float64, scaled[B] bool)``: ``summed``
         equals ``clipped_sum(per_sample_grads(...), factors, mask)`` of the
-        vmap path. A padding row or an example with a non-finite norm
-        contributes exactly 0, even with NaN in its activations or gradients.
+        vmap path; it is float32 for bf16 and fp16 parameters (accumulated in
+        float32), else in the parameters' dtype. ``norms`` bound the norm of
+        each example's contribution to ``summed``, rounding included. A
+        padding row or an example with a non-finite norm contributes exactly
+        0, even with NaN in its activations or gradients.
     """
     covered_names = set(plan.covered)
     covered = {k: v for k, v in params.items() if k in covered_names}
@@ -252,20 +258,23 @@ def ghost_clip(
                         f"dpfunc ghost clipping: the rule for {type(module).__name__} returned "
                         f"no gradient for {attr!r} (it returned {sorted(got)})"
                     )
-                forms[name].append(got[attr])
+                forms[name].append(widen_form(got[attr]))  # half: float32 from here on
     joined = {name: combine(parts, params[name].shape) for name, parts in forms.items()}
     squared = {name: form_norms(form) for name, form in joined.items()}
     for name, g in other_grads.items():
-        squared[name] = squared_norms(g)
+        squared[name] = formed_norms(g)
 
     mask = mask.to(torch.bool)
+    # the vmap path's margin (public: rows, dtypes, sizes): it also covers the float64
+    # additions of micro-batch sums that follow; the bounds above cover this sum's rounding
+    margin = rounding_scope(params, mask.shape[0])
     if clipping == "per_layer":
         groups = groups_by_module(params)
         group_norms = {
             group: torch.stack([squared[n] for n in members]).sum(0).sqrt()
             for group, members in groups.items()
         }
-        factors = clip_factors(group_norms, clip_norm)
+        factors = clip_factors(group_norms, clip_norm, **margin)
         total = torch.stack([n.square() for n in group_norms.values()]).sum(0).sqrt()
         scaled = torch.stack([f < 1 for f in factors.values()]).any(0)
         weights = {
@@ -275,7 +284,7 @@ def ghost_clip(
         }
     else:
         total = torch.stack([squared[n] for n in names]).sum(0).sqrt()
-        factor = clip_factors(total, clip_norm, normalize=clipping == "normalized")
+        factor = clip_factors(total, clip_norm, normalize=clipping == "normalized", **margin)
         scaled = factor < 1
         factor = torch.where(mask, factor, torch.zeros_like(factor))
         weights = dict.fromkeys(names, factor)

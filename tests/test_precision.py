@@ -1,0 +1,271 @@
+"""Half precision (bf16, fp16): ghost norms against vmap and a float64 oracle, each example's
+contribution bounded with rounding, a bf16 model trained to float32's accuracy, the docs."""
+
+import copy
+import functools
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import dpfunc
+from dpfunc.ghost import GhostClipper, ghost_clip
+from dpfunc.tree import global_norm
+
+HALF = [torch.bfloat16, torch.float16]
+DTYPE_IDS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# how far a half-precision forward and backward may move a norm from the float64 one
+ORACLE_RTOL = {torch.bfloat16: 0.03, torch.float16: 0.005}
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+                         nn.Linear(256, 10))  # fmt: skip
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)
+        self.conv2 = nn.Conv2d(8, 8, 3, stride=2)
+        self.fc = nn.Linear(8 * 3 * 3, 10)
+
+    def forward(self, x):
+        x = torch.tanh(self.norm(self.conv1(x)))
+        return self.fc(torch.relu(self.conv2(x)).flatten(1))
+
+
+class TinyAttention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.norm = nn.LayerNorm(32)
+        self.out = nn.Linear(32, 10)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        a, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(self.norm(h + a).mean(1))
+
+
+def inputs(name, size, generator):
+    if name == "mlp":
+        return torch.randn(size, 64, generator=generator)
+    if name == "cnn":
+        return torch.randn(size, 1, 8, 8, generator=generator)
+    return torch.randint(0, 50, (size, 12), generator=generator)
+
+
+MODELS = {"mlp": mlp, "cnn": SmallCNN, "attention": TinyAttention}
+
+
+def classifier(model):
+    """``(params, loss_fn)``: one example's cross-entropy through ``model``."""
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        x, y = example
+        out = functional_call(model, (p, buffers), (x.unsqueeze(0),))
+        return F.cross_entropy(out.float(), y.unsqueeze(0))
+
+    return params, loss_fn
+
+
+@functools.cache
+def clipper_for(model, loss_fn):
+    return GhostClipper(model, loss_fn, "ghost")
+
+
+def ghost(model, loss_fn, params, batch, mask, clip_norm):
+    """``(summed, norms)`` of the ghost path, every parameter ghosted."""
+    clipper = clipper_for(model, loss_fn)
+    plan = clipper.plan(params, batch)
+    assert set(plan.covered) == set(params), plan.explain(params)
+    summed, _, norms, _ = ghost_clip(
+        loss_fn, clipper.hooks, plan, params, batch, mask.bool(), clipping="flat",
+        clip_norm=clip_norm,
+    )  # fmt: skip
+    return summed, norms
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_ghost_norms_agree_with_vmap_and_float64_in_half_precision(name, dtype):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = MODELS[name]().to(dtype)
+    x = inputs(name, 32, g)
+    x = x.to(dtype) if x.is_floating_point() else x
+    batch = (x, torch.randint(0, 10, (32,), generator=g))
+    params, loss_fn = classifier(model)
+
+    grads = dpfunc.per_sample_grads(loss_fn, params, batch)
+    vmap_norms = dpfunc.per_sample_norms(grads).double()
+    clip_norm = float(vmap_norms.median())  # half the examples clipped
+    summed, ghost_norms = ghost(model, loss_fn, params, batch, torch.ones(32), clip_norm)
+
+    # the oracle: the same (rounded) parameters and inputs, forward and backward in float64
+    model64 = copy.deepcopy(model).double()
+    params64, loss64 = classifier(model64)
+    batch64 = (x.double() if x.is_floating_point() else x, batch[1])
+    grads64 = dpfunc.per_sample_grads(loss64, params64, batch64)
+    oracle = dpfunc.per_sample_norms(grads64)
+
+    torch.testing.assert_close(ghost_norms, vmap_norms, rtol=0.01, atol=0)
+    torch.testing.assert_close(ghost_norms, oracle, rtol=ORACLE_RTOL[dtype], atol=0)
+    torch.testing.assert_close(vmap_norms, oracle, rtol=ORACLE_RTOL[dtype], atol=0)
+
+    # the clipped sum is float32, the exact sum of vmap's half gradients with the same factors,
+    # and no farther from the float64 one than that (the half forward's rounding, up to 3%
+    # for the bf16 MLP)
+    assert all(v.dtype == torch.float32 for v in summed.values())
+    factors = dpfunc.clip_factors(ghost_norms, clip_norm)
+    oracle_sum = dpfunc.clipped_sum(grads64, factors)
+    vmap_sum = dpfunc.clipped_sum({k: v.double() for k, v in grads.items()}, factors)
+
+    def distance(a, b):
+        return float(global_norm({k: a[k].double() - b[k] for k in b}) / global_norm(b))
+
+    assert distance(summed, vmap_sum) <= 0.01
+    assert distance(summed, oracle_sum) <= distance(vmap_sum, oracle_sum) + 0.002
+
+
+class Mixed(nn.Module):
+    """Every form of ghost norm at once: an index Gram (embedding), a Gram over positions
+    (the Linear over 6 tokens), formed tensors (biases, the LayerNorm), an unfolded
+    convolution and a rank-one Linear (the head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.mix = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.conv = nn.Conv1d(8, 4, 3)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, tokens):
+        h = self.norm(torch.tanh(self.mix(self.embed(tokens))))
+        return self.head(self.conv(h.transpose(1, 2)).flatten(1))
+
+
+def cancelling(dtype):
+    """A Linear(3, 3) over two positions whose products nearly cancel: huge inputs and
+    output gradients, a small weight gradient. A naive Gram norm rounds to about 0."""
+    model = nn.Linear(3, 3, bias=False).to(dtype)
+    big = 2.0**13
+    x = torch.tensor([[[big, 1.0, 0.0], [big, 0.0, 0.0]]] * 2, dtype=dtype)
+    scale = torch.tensor([1.0, 1e3], dtype=dtype)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        xi, s = example
+        out = functional_call(model, (p, buffers), (xi,))
+        return s * (out[0] - out[1]).sum()
+
+    return model, params, loss_fn, (x, scale)
+
+
+def lone_bias(dtype, size, generator):
+    """A trained bias alone (a formed gradient of one entry): the clip factor's rounding
+    and the product's, which no Gram bound absorbs, decide whether it passes the bound."""
+    model = nn.Linear(1, 1).to(dtype)
+    model.weight.requires_grad_(False)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        xi, s = example
+        return s * functional_call(model, (p, buffers), (xi,)).sum()
+
+    scales = torch.rand(size, generator=generator, dtype=torch.float64) + 0.5
+    return model, params, loss_fn, (torch.ones(size, 1, dtype=dtype), scales.to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [*HALF, torch.float32], ids=DTYPE_IDS.get)
+def test_each_examples_contribution_is_at_most_the_clip_norm_with_rounding(dtype):
+    # fp16 overflows past 65504: its scales stay within 1e-3 .. 1e2
+    low, high = (-3, 2) if dtype == torch.float16 else (-4, 3)
+    size = 8
+    g = torch.Generator().manual_seed(2)
+    model = Mixed().to(dtype)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        tokens, y, s = example
+        out = functional_call(model, (p, buffers), (tokens.unsqueeze(0),))
+        return s * F.cross_entropy(out.float(), y.unsqueeze(0))
+
+    scales = torch.logspace(low, high, size, dtype=torch.float64)[torch.randperm(size, generator=g)]
+    tokens = torch.randint(0, 20, (size, 6), generator=g)
+    batch = (tokens, torch.randint(0, 3, (size,), generator=g), scales.to(dtype))
+    cases = [(model, params, loss_fn, batch), cancelling(dtype), lone_bias(dtype, 8, g)]
+    for case, (model, params, loss_fn, batch) in enumerate(cases):
+        b = batch[0].shape[0]
+        _, norms = ghost(model, loss_fn, params, batch, torch.ones(b), 1.0)
+        for clip_norm in (1e-3 * float(norms.min()), float(norms.median()), 1e3):
+            for i in range(b):
+                one, bound = ghost(model, loss_fn, params, batch, torch.eye(b)[i], clip_norm)
+                contribution = global_norm({k: v.double() for k, v in one.items()})
+                assert contribution <= clip_norm, (case, clip_norm, i, float(contribution))
+                if case != 1 and bound[i] > 1.01 * clip_norm:  # clipped, not over-clipped
+                    assert contribution >= 0.99 * clip_norm, (clip_norm, i, float(contribution))
+
+
+def digits_run(dtype, method):
+    """Test accuracy of a small MLP trained privately on sklearn's digits (fixed, public
+    seeds: a reproducible test, not a private run)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10)).to(dtype)
+    params, loss_fn = classifier(model)
+    trainer = dpfunc.Trainer(
+        loss_fn, params, (x[:1400].to(dtype), y[:1400]), optimizer=dpfunc.optim.adam(lr=0.02),
+        epochs=4, expected_batch_size=200, clip_norm=1.0, noise_multiplier=1.0, seed=1234,
+        model=model, method=method, progress=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # delta and sampling notes, not under test
+        trainer.fit()
+    trained = trainer.params
+    assert all(p.dtype == dtype and torch.isfinite(p).all() for p in trained.values())
+    with torch.no_grad():
+        out = functional_call(model, trained, (x[1400:].to(dtype),))
+    return float((out.argmax(1) == y[1400:]).float().mean())
+
+
+def test_a_bf16_model_trains_to_the_accuracy_of_float32_by_ghost_and_vmap():
+    reference = digits_run(torch.float32, "vmap")
+    assert reference > 0.7
+    for method in ("ghost", "vmap"):
+        accuracy = digits_run(torch.bfloat16, method)
+        assert abs(accuracy - reference) <= 0.01, (method, accuracy, reference)
+
+
+def test_precision_doc_python_blocks_run():
+    doc = Path(__file__).resolve().parents[1] / "docs" / "precision.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert blocks
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, str(doc), "exec"), namespace)
+
+
+def test_noise_for_half_parameters_is_drawn_in_float32():
+    params = {
+        "w": torch.zeros(64, 64, dtype=torch.bfloat16),
+        "b": torch.zeros(8, dtype=torch.float16),
+    }
+    noise = dpfunc.standard_normal_like(params, seed=dpfunc.secret_seed(), step=0)
+    assert {k: v.dtype for k, v in noise.items()} == {"w": torch.float32, "b": torch.float32}
+    w = noise["w"]
+    assert bool((w.to(torch.bfloat16).float() != w).any())  # not a rounded bf16 Gaussian
