@@ -19,6 +19,7 @@ from torch import nn
 from torch.func import functional_call
 
 import dpfunc
+from dpfunc.clipping import accumulation_dtype
 
 ROWS, MICRO_BATCHES = 4, 3
 NEAR = [1 - 1e-5, 1 - 1e-6, 1 - 1e-7, 1.0, 1 + 1e-7, 1 + 1e-6, 1 + 1e-5, 2.0]
@@ -148,6 +149,7 @@ def test_single_micro_batch_step_equals_zeros_accumulate_apply(dtype):
     long = step.apply(state, summed, noise)
     assert short.params["w"].dtype == dtype
     assert torch.equal(short.params["w"], long.params["w"])
-    # the oracle: noise added to the float64 sum, averaged, and only then rounded to dtype
-    private = (summed["w"] + 1.3 * clip_norm * noise["w"]) / 3.0
-    assert torch.equal(long.params["w"], params["w"] - private.to(dtype) * 0.5)
+    # the oracle: noise added to the float64 sum, averaged, and only then rounded, to float32
+    # for bf16 (the optimizer's dtype); the parameter is rounded once, after the update
+    private = ((summed["w"] + 1.3 * clip_norm * noise["w"]) / 3.0).to(accumulation_dtype(dtype))
+    assert torch.equal(long.params["w"], (params["w"] - private * 0.5).to(dtype))
