@@ -25,7 +25,7 @@ test: install
 # The wheel as users get it: built, installed (not editable) into a new venv, and
 # tested from a copy of tests/, examples/ and the docs that holds no dpfunc/ source.
 test-wheel:
-	rm -rf build/dist $(WHEEL_VENV) $(WHEEL_TESTS)
+	rm -rf build  # setuptools' build/lib too: it could carry a deleted module into the wheel
 	python3 -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(WHEEL_VENV)/bin/python -m pip wheel --quiet --no-deps -w build/dist .
