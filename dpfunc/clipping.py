@@ -12,6 +12,12 @@ In every mode an example whose norm is not finite (NaN or inf anywhere in
 its gradient) gets factor 0: it is dropped from the sum rather than spread
 into it.
 
+The mode is decided in one place, :class:`ClippingPolicy`: given the
+per-example norms (flat, or per group) it returns the factors, the weights of
+the clipped sum and the stats a step reports. The vmap path and the ghost path
+(:mod:`dpfunc.ghost`, which gets the norms without materialising gradients)
+both call it, so one mode means one rule on either path.
+
 Rounding is part of the bound. The norm is computed with rounding error, the
 factor is rounded to the gradients' dtype, multiplied and summed with the other
 rows, and the micro-batch sums are added across micro-batches and ranks. Each
@@ -44,7 +50,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .checks import check_int, check_number
+from .checks import check_choice, check_int, check_number
 from .tree import Params, PyTree, tree_leaves, tree_map
 
 Groups = Mapping[str, Sequence[str]]
@@ -92,14 +98,40 @@ def per_sample_norms(grads: PyTree, groups: Groups | None = None) -> Tensor | di
         a NaN or inf norm. That check costs one host sync eagerly.
     """
     if groups is None:
-        return torch.stack(_squared_norms(tree_leaves(grads))).sum(0).sqrt()
+        return _root_sum(_squared_norms(tree_leaves(grads)))
     _check_groups(groups, grads)
     names = list(grads)
-    squares = dict(zip(names, _squared_norms([grads[name] for name in names])))
-    return {
-        group: torch.stack([squares[name] for name in members]).sum(0).sqrt()
-        for group, members in groups.items()
-    }
+    return norms_from_squares(dict(zip(names, _squared_norms([grads[n] for n in names]))), groups)
+
+
+def norms_from_squares(
+    squares: Mapping[str, Tensor], groups: Groups | None = None
+) -> Tensor | dict[str, Tensor]:
+    """Per-example norms from each parameter's per-example squared norms.
+
+    The last step of :func:`per_sample_norms`, for a path that gets the
+    squares another way (ghost clipping, :mod:`dpfunc.ghost`): the flat norm
+    ``sqrt(sum_k squares[k])`` over every parameter, in the order of
+    ``squares``, or with ``groups`` one such norm per group.
+
+    Args:
+        squares: ``{param name: Tensor[B]}``, float64.
+        groups: ``None``, or ``{group: [param names]}`` (as for
+            :func:`per_sample_norms`; every name must be a key of ``squares``).
+
+    Returns:
+        ``Tensor[B]`` or ``{group: Tensor[B]}``, like :func:`per_sample_norms`.
+
+    >>> norms_from_squares({"w": torch.tensor([9.0]), "b": torch.tensor([16.0])})
+    tensor([5.])
+    """
+    if groups is None:
+        return _root_sum(list(squares.values()))
+    return {group: _root_sum([squares[n] for n in members]) for group, members in groups.items()}
+
+
+def _root_sum(squares: list[Tensor]) -> Tensor:
+    return torch.stack(squares).sum(0).sqrt()
 
 
 NORM_CHUNK = 128
@@ -419,11 +451,9 @@ def clipped_sum(
     """
     weights = factors if mask is None else _apply_mask(factors, mask)
     if isinstance(weights, Mapping):
-        if groups is None:
-            raise ValueError("grouped factors need groups= to map groups to parameter names")
-        _check_groups(groups, grads)
-        per_param = {name: weights[g] for g, names in groups.items() for name in names}
-        leaf_weights = {name: per_param[name] for name in grads}
+        if groups is not None:
+            _check_groups(groups, grads)
+        leaf_weights = weights_by_parameter(weights, list(grads), groups)
     else:
         leaf_weights = tree_map(lambda g: weights, grads)
     leaves, spec = optree.tree_flatten(grads)
@@ -461,6 +491,139 @@ def _masked_sum(w: Tensor, g: Tensor) -> Tensor:
     """
     w = w.reshape(-1, *([1] * (g.dim() - 1)))
     return torch.where(w != 0, g * w, torch.zeros_like(g)).sum(0)
+
+
+def weights_by_parameter(
+    weights: Tensor | Mapping[str, Tensor], names: Sequence[str], groups: Groups | None = None
+) -> dict[str, Tensor]:
+    """``{name: Tensor[B]}``: the weight of each parameter's per-example gradients.
+
+    Flat ``weights`` (``Tensor[B]``) weigh every parameter alike; grouped ones
+    (``{group: Tensor[B]}``) weigh each parameter by its group's, with
+    ``groups`` mapping each group to its parameter names.
+
+    Raises:
+        ValueError: grouped ``weights`` without ``groups``, or a name in no group.
+
+    >>> w = weights_by_parameter({"fc": torch.tensor([0.5])}, ["fc.w"], {"fc": ["fc.w"]})
+    >>> w
+    {'fc.w': tensor([0.5000])}
+    """
+    if not isinstance(weights, Mapping):
+        return dict.fromkeys(names, weights)
+    if groups is None:
+        raise ValueError("grouped factors need groups= to map groups to parameter names")
+    owner = {name: group for group, members in groups.items() for name in members}
+    stray = [name for name in names if owner.get(name) not in weights]
+    if stray:
+        raise ValueError(f"parameters {stray} belong to no group of the factors {sorted(weights)}")
+    return {name: weights[owner[name]] for name in names}
+
+
+CLIPPING_MODES = ("flat", "per_layer", "normalized")
+
+
+class Clipped(NamedTuple):
+    """What a :class:`ClippingPolicy` decided for one micro-batch."""
+
+    factors: Tensor | dict[str, Tensor]  # [B] float64 (per_layer: {group: [B]}), clip_factors'
+    weights: Tensor | dict[str, Tensor]  # like factors, 0 for padding: the clipped sum's weights
+    norm: Tensor  # [B] float64, each example's whole gradient norm before clipping
+    scaled: Tensor  # [B] bool, scaled down or dropped (per_layer: in any group)
+
+
+class ClippingPolicy(NamedTuple):
+    """The clipping mode: per-example norms in, clip factors and their stats out.
+
+    DP-SGD's per-example clipping function (Abadi et al. 2016), flat, per
+    group (McMahan et al. 2018) or normalised (Bu et al. 2022), in one place
+    for every way to the clipped sum: the vmap path hands it the
+    :func:`per_sample_norms` of materialised gradients, the ghost path
+    (:func:`dpfunc.ghost.ghost_clip`) the norms it gets without them. Both
+    take the groups from :meth:`groups` and weigh the sum by ``weights``, so
+    the same norms give the same factors on either path.
+
+    Fields:
+        mode: ``"flat"`` (all parameters as one vector), ``"per_layer"``
+            (one norm per owning module, :func:`groups_by_module`, each
+            bounded by ``C / sqrt(num_groups)`` or its own ``C_k``) or
+            ``"normalized"`` (automatic clipping, factor ``C / (norm +
+            gamma)``).
+        gamma: the stabiliser of normalised clipping, > 0.
+
+    >>> policy = ClippingPolicy("flat")
+    >>> norms = torch.tensor([0.5, 2.0, 3.0], dtype=torch.float64)
+    >>> clipped = policy(norms, 1.0, mask=torch.tensor([True, True, False]))
+    >>> clipped.weights, clipped.scaled
+    (tensor([1.0000, 0.4999, 0.0000], dtype=torch.float64), tensor([False,  True,  True]))
+    """
+
+    mode: str = "flat"
+    gamma: float = 0.01
+
+    def groups(self, params: Params | Sequence[str]) -> dict[str, list[str]] | None:
+        """The groups the norms are taken over: by module with ``"per_layer"``, else ``None``."""
+        self._check()
+        return groups_by_module(params) if self.mode == "per_layer" else None
+
+    def __call__(
+        self,
+        norms: Tensor | Mapping[str, Tensor],
+        clip_norm: float | Tensor | Mapping[str, float],
+        mask: Tensor | None = None,
+        *,
+        rows: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        size: int | None = None,
+    ) -> Clipped:
+        """The clip factors of ``norms`` and what the step reports of them.
+
+        Args:
+            norms: ``Tensor[B]`` (``"flat"``, ``"normalized"``) or ``{group:
+                Tensor[B]}`` over :meth:`groups` (``"per_layer"``).
+            clip_norm: ``C`` as for :func:`clip_factors`: a float, a 0-d
+                tensor (adaptive clipping's current norm; not per group),
+                or per group ``{group: C_k}``.
+            mask: ``Tensor[B]`` of 0/1 or bool, 0 for padding; ``None``
+                keeps every row. Only ``weights`` read it.
+            rows, dtype, size: the public rounding scope
+                (:func:`rounding_scope`), as for :func:`clip_factors`.
+
+        Returns:
+            :class:`Clipped` ``(factors, weights, norm, scaled)``: the
+            :func:`clip_factors`; the factors with padding rows set to 0,
+            the weights of :func:`clipped_sum`; each example's whole norm
+            (per group: ``sqrt(sum_k norm_k**2)``); and whether its factor
+            (any group's) is below 1. An example with a non-finite norm gets
+            factor 0 and counts as scaled.
+
+        Raises:
+            ValueError: an unknown ``mode``, ``gamma <= 0``, or grouped
+                norms in a flat mode (or flat ones with ``"per_layer"``); and
+                what :func:`clip_factors` raises.
+        """
+        self._check()
+        grouped = isinstance(norms, Mapping)
+        if grouped != (self.mode == "per_layer"):
+            want = "{group: Tensor[B]}" if self.mode == "per_layer" else "one Tensor[B]"
+            raise ValueError(
+                f"clipping mode {self.mode!r} takes norms as {want} (see ClippingPolicy.groups), "
+                f"got norms of type {type(norms).__name__}"
+            )
+        normalize = self.mode == "normalized"
+        scope = {"rows": rows, "dtype": dtype, "size": size}
+        factors = clip_factors(norms, clip_norm, normalize=normalize, gamma=self.gamma, **scope)
+        if grouped:
+            norm = _root_sum([n.square() for n in norms.values()])
+            scaled = torch.stack([f < 1 for f in factors.values()]).any(0)
+        else:
+            norm, scaled = norms, factors < 1
+        weights = factors if mask is None else _apply_mask(factors, mask)
+        return Clipped(factors, weights, norm, scaled)
+
+    def _check(self) -> None:
+        check_choice("mode", self.mode, CLIPPING_MODES)
+        check_number("gamma", self.gamma, low=0, low_open=True, high_open=True)
 
 
 def unclipped_count(norms: Tensor, clip_norm: float | Tensor, mask: Tensor | None = None) -> Tensor:

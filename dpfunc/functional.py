@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from .checks import check_int
-from .ghost.dispatch import torch_class
+from .ghost import torch_class
 from .tree import Params
 
 _BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)

@@ -42,11 +42,10 @@ from torch import Tensor, nn
 from . import optim
 from .checks import check_choice, check_int, check_number
 from .clipping import (
+    ClippingPolicy,
     accumulation_dtype,
     adaptive_clip_norm,
-    clip_factors,
     clipped_sum,
-    groups_by_module,
     per_sample_norms,
     rounding_scope,
     unclipped_count,
@@ -294,39 +293,30 @@ class TrainStep:
                 lambda p: p.new_zeros(p.shape, dtype=accumulation_dtype(p.dtype)), params
             )
             return zeros, stats
+        policy = ClippingPolicy(self.clipping)  # the same policy on both paths
         if self._ghost is not None:
             plan = self._ghost.plan(params, batch)
             if plan.modules:
-                summed, losses, total, scaled = ghost_clip(
+                summed, losses, clipped = ghost_clip(
                     self.loss_fn,
                     self._ghost.hooks,
                     plan,
                     params,
                     batch,
                     mask,
-                    clipping=self.clipping,
+                    clipping=policy,
                     clip_norm=clip,
                     chunk_size=self.chunk_size,
                 )
-                return summed, ExampleStats(losses.detach(), total, scaled, mask)
+                return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
         grads, losses = per_sample_grads_and_losses(
             self.loss_fn, params, batch, chunk_size=self.chunk_size
         )
-        margin = rounding_scope(params, size)
-        if self.clipping == "per_layer":
-            groups = groups_by_module(grads)
-            group_norms = per_sample_norms(grads, groups)
-            factors = clip_factors(group_norms, self.clip_norm, **margin)
-            total = sum(n.square() for n in group_norms.values()).sqrt()
-            scaled = torch.stack([f < 1 for f in factors.values()]).any(0)
-            summed = clipped_sum(grads, factors, mask, groups)
-        else:
-            total = per_sample_norms(grads)
-            normalize = self.clipping == "normalized"
-            factors = clip_factors(total, clip, normalize=normalize, **margin)
-            scaled = factors < 1
-            summed = clipped_sum(grads, factors, mask)
-        return summed, ExampleStats(losses.detach(), total, scaled, mask)
+        groups = policy.groups(grads)
+        norms = per_sample_norms(grads, groups)
+        clipped = policy(norms, clip, mask, **rounding_scope(params, size))
+        summed = clipped_sum(grads, clipped.weights, groups=groups)
+        return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
 
     def accumulate(
         self,

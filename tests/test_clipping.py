@@ -248,6 +248,75 @@ def test_bad_arguments_raise(call, match):
         call()
 
 
+# --------------------------------------------------------------------------- the clipping policy
+
+Policy = dpfunc.clipping.ClippingPolicy
+
+
+def test_policy_decides_each_mode_from_the_norms_alone():
+    """Factors as clip_factors gives them; stats and weights as the step reports and sums them."""
+    f64 = torch.float64
+    grads = {"a.w": torch.randn(5, 3, 2, dtype=f64) * 4, "a.b": torch.randn(5, 3, dtype=f64)}
+    grads["b.w"] = torch.randn(5, 4, dtype=f64)
+    grads["b.w"][3, 0] = math.nan
+    mask = torch.tensor([1, 1, 1, 1, 0.0])
+    exact = dict(rows=5, dtype=torch.float64, size=13)
+    # the oracle: each example's norms in float64, one parameter at a time
+    rows = [{k: g[i].square().sum() for k, g in grads.items()} for i in range(5)]
+    for mode in ("flat", "per_layer", "normalized"):
+        policy = Policy(mode)
+        groups = policy.groups(grads)
+        assert groups == (dpfunc.groups_by_module(grads) if mode == "per_layer" else None)
+        members = groups or {"all": list(grads)}
+        oracle = {
+            g: torch.stack([sum(r[n] for n in names) for r in rows]).sqrt()
+            for g, names in members.items()
+        }
+        norms = dpfunc.per_sample_norms(grads, groups)
+        clipped = policy(norms, 1.5, mask, **exact)
+        want = dpfunc.clip_factors(
+            oracle if groups else oracle["all"], 1.5, normalize=mode == "normalized", **exact
+        )
+        torch.testing.assert_close(clipped.factors, want, rtol=1e-12, atol=0)
+        total = torch.stack([sum(r.values()) for r in rows]).sqrt()
+        torch.testing.assert_close(clipped.norm, total, rtol=1e-12, atol=0, equal_nan=True)
+        below = [f < 1 for f in (want.values() if groups else [want])]
+        assert torch.equal(clipped.scaled, torch.stack(below).any(0))
+        assert clipped.scaled[3]  # a non-finite norm is dropped: factor 0
+        summed = dpfunc.clipped_sum(grads, clipped.weights, groups=groups)
+        for k, v in dpfunc.clipped_sum(grads, clipped.factors, mask, groups).items():
+            assert torch.equal(summed[k], v)
+
+
+def test_policy_refuses_what_it_cannot_clip():
+    with pytest.raises(ValueError, match="mode must be one of .*got mode='layer'"):
+        Policy("layer")(torch.ones(2), 1.0)
+    with pytest.raises(ValueError, match="gamma"):
+        Policy("normalized", gamma=0.0).groups({"w": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"'per_layer' takes norms as \{group"):
+        Policy("per_layer")(torch.ones(2), 1.0)
+    with pytest.raises(ValueError, match="'flat' takes norms as one Tensor"):
+        Policy("flat")({"g": torch.ones(2)}, 1.0)
+
+
+def test_norms_from_squares_and_weights_by_parameter_follow_the_groups():
+    squares = {"a.w": torch.tensor([9.0, 0.0]), "a.b": torch.tensor([16.0, 1.0])}
+    squares["b.w"] = torch.tensor([0.0, 4.0])
+    groups = {"a": ["a.w", "a.b"], "b": ["b.w"]}
+    flat = dpfunc.clipping.norms_from_squares(squares)
+    torch.testing.assert_close(flat, torch.tensor([5.0, 5**0.5]))
+    grouped = dpfunc.clipping.norms_from_squares(squares, groups)
+    torch.testing.assert_close(grouped["a"], torch.tensor([5.0, 1.0]))
+    torch.testing.assert_close(grouped["b"], torch.tensor([0.0, 2.0]))
+    weights = dpfunc.clipping.weights_by_parameter(grouped, list(squares), groups)
+    assert weights["a.w"] is grouped["a"] and weights["b.w"] is grouped["b"]
+    assert dpfunc.clipping.weights_by_parameter(flat, ["x", "y"]) == {"x": flat, "y": flat}
+    with pytest.raises(ValueError, match="groups="):
+        dpfunc.clipping.weights_by_parameter(grouped, list(squares))
+    with pytest.raises(ValueError, match=r"parameters \['c'\] belong to no group"):
+        dpfunc.clipping.weights_by_parameter(grouped, ["c"], groups)
+
+
 # --------------------------------------------------------------------------- adaptive clipping
 
 

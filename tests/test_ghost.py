@@ -643,7 +643,7 @@ def test_auto_keeps_the_path_measured_faster_at_plan_time(monkeypatch, ghost_s, 
         def perf_counter():
             return next(ticks)
 
-    monkeypatch.setattr(dpfunc.ghost.planner, "time", Clock)
+    monkeypatch.setattr(dpfunc.ghost.clipper, "time", Clock)
     plan = GhostClipper(model, loss_fn, "auto").plan(params, torch.randn(B, 3).double())
     assert [m.path for m in plan.modules] == ghosted and not plan.reasons
     remove_hooks(model)
@@ -827,3 +827,62 @@ def test_a_rule_reads_the_step_parameters_not_the_module_attributes():
     torch.testing.assert_close(got_stats.norm, want_stats.norm, rtol=1e-8, atol=1e-12)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["flat", "per_layer", "normalized", "adaptive"])
+def test_both_paths_clip_through_one_policy(monkeypatch, mode):
+    """vmap and ghost hand their norms to the same ClippingPolicy; it decides as the oracle's."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3))
+    params, loss_fn = problem(model)
+    x = torch.randn(B, 4, dtype=torch.float64) * torch.logspace(-1, 1, B).double()[:, None]
+    mask = torch.tensor([1, 1, 0, 1, 1, 1.0])
+
+    def example_grads(example):  # the oracle: one example's gradient by plain autograd
+        p = {k: v.detach().requires_grad_() for k, v in params.items()}
+        return dict(zip(p, torch.autograd.grad(loss_fn(p, example), list(p.values()))))
+
+    loop = [example_grads(x[i]) for i in range(B)]
+    groups = dpfunc.groups_by_module(params) if mode == "per_layer" else None
+    members = groups or {"all": list(params)}
+    oracle = {
+        g: torch.stack([sum(e[n].square().sum() for n in names).sqrt() for e in loop])
+        for g, names in members.items()
+    }
+    flat = torch.stack(list(oracle.values())).square().sum(0).sqrt()
+    clip = flat[mask.bool()].median().item()  # some real rows clipped, some not
+    calls = []
+    call = dpfunc.clipping.ClippingPolicy.__call__
+
+    def spy(self, norms, clip_norm, mask=None, **scope):
+        out = call(self, norms, clip_norm, mask, **scope)
+        calls.append((self, norms, clip_norm, scope, out))
+        return out
+
+    monkeypatch.setattr(dpfunc.clipping.ClippingPolicy, "__call__", spy)
+    kwargs = {"clipping": "flat" if mode == "adaptive" else mode, "clip_norm": clip}
+    state_clip = None
+    if mode == "adaptive":  # the step clips at the state's norm, a tensor
+        kwargs.update(target_quantile=0.5, count_noise_multiplier=2.0)
+        state_clip = torch.tensor(0.8 * clip, dtype=torch.float64)
+    stats = [step.clip(params, x, mask, state_clip)[1] for step in steps(model, loss_fn, **kwargs)]
+
+    assert len(calls) == 2  # once per path, per micro-batch
+    (policy, _, _, scope, _), _ = calls
+    assert policy == dpfunc.clipping.ClippingPolicy(kwargs["clipping"])
+    assert scope == dpfunc.clipping.rounding_scope(params, B)
+    used = clip if state_clip is None else state_clip
+    want_norms = oracle["all"] if groups is None else oracle
+    want = dpfunc.clip_factors(want_norms, used, normalize=mode == "normalized", **scope)
+    for (got_policy, norms, clip_norm, got_scope, out), stat in zip(calls, stats):
+        assert (got_policy, got_scope) == (policy, scope)
+        assert clip_norm is used
+        torch.testing.assert_close(norms, want_norms, rtol=1e-10, atol=0)
+        torch.testing.assert_close(out.factors, want, rtol=1e-10, atol=0)
+        torch.testing.assert_close(out.norm, flat, rtol=1e-10, atol=0)
+        assert torch.equal(stat.norm, out.norm) and torch.equal(stat.scaled, out.scaled)
+        weights = out.weights.values() if groups else [out.weights]
+        assert all(torch.equal(w[mask == 0], torch.zeros(1, dtype=w.dtype)) for w in weights)
+    _, _, _, _, vmap_out = calls[0]
+    assert torch.equal(calls[1][4].scaled, vmap_out.scaled) and vmap_out.scaled[mask.bool()].any()
+    if mode != "per_layer":
+        assert not vmap_out.scaled[mask.bool()].all()

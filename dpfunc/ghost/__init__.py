@@ -13,6 +13,10 @@ Where each piece lives:
 
 * :mod:`~dpfunc.ghost.registry`: the rules by layer type, :func:`register_rule`
   for a user's own layer, and :class:`Outer`, the form a rule returns;
+* :mod:`~dpfunc.ghost.bounds`: norms that bound the rounding of the sum; bf16
+  and fp16 forms are widened to float32 first, so the norms, their bounds and
+  the clipped sum (float32 for half parameters) are float32's, as in the
+  vmap path (see ``docs/precision.md``).
 * one module per kind of layer: :mod:`~dpfunc.ghost.linear` (``nn.Linear``,
   transformers' ``Conv1D``), :mod:`~dpfunc.ghost.embedding`,
   :mod:`~dpfunc.ghost.convolution` (``nn.Conv1d``, ``nn.Conv2d``),
@@ -20,15 +24,19 @@ Where each piece lives:
   :mod:`~dpfunc.ghost.recurrent` (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``, unrolled),
   :mod:`~dpfunc.ghost.attention` (``nn.MultiheadAttention``'s projections);
   the last two run themselves in a ghost pass (:mod:`~dpfunc.ghost.dispatch`);
+* :mod:`~dpfunc.ghost.hooks`: the forward hooks dpfunc keeps on a model's
+  covered layers, inert outside a pass;
 * :mod:`~dpfunc.ghost.planner`: the analysis pass that decides, parameter by
   parameter, what is ghosted (a parameter used at several sites, such as tied
   input and output embeddings or a layer called twice, is ghosted when every
   site is);
-* :mod:`~dpfunc.ghost.runtime`: the hooks and the ghost pass;
-* :mod:`~dpfunc.ghost.bounds`: norms that bound the rounding of the sum; bf16
-  and fp16 forms are widened to float32 first, so the norms, their bounds and
-  the clipped sum (float32 for half parameters) are float32's, as in the
-  vmap path (see ``docs/precision.md``).
+* :mod:`~dpfunc.ghost.runtime`: the ghost pass, whose norms go through the
+  same :class:`~dpfunc.clipping.ClippingPolicy` as the vmap path's;
+* :mod:`~dpfunc.ghost.clipper`: :class:`GhostClipper`, what a step keeps: the
+  plans by batch structure and ``method="auto"``'s timing;
+
+Each module imports only modules listed above it, so none imports another in
+a circle; the rest of dpfunc uses what this package exports.
 
 The contract every rule keeps: each example's norm is an upper bound on the
 norm of the contribution actually summed, rounding included. Where TF32
@@ -46,9 +54,11 @@ from . import (  # registers the rules
     recurrent,
 )
 from .bounds import linear_weight_norms
-from .planner import GhostClipper, GhostModule, GhostPlan, analyse, tf32_risk
-from .registry import Outer, Rule, register_rule, rule_for
-from .runtime import ghost_clip, install_hooks, remove_hooks
+from .clipper import GhostClipper
+from .hooks import install_hooks, remove_hooks
+from .planner import GhostModule, GhostPlan, analyse, tf32_risk
+from .registry import Outer, Rule, register_rule, rule_for, torch_class
+from .runtime import ghost_clip
 
 __all__ = [
     "GhostClipper",
@@ -70,4 +80,5 @@ __all__ = [
     "remove_hooks",
     "rule_for",
     "tf32_risk",
+    "torch_class",
 ]

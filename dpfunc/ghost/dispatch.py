@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .registry import UNDERLYING
+from .registry import UNDERLYING, torch_class
 
-__all__ = ["attach", "detach", "torch_class"]
+__all__ = ["attach", "detach"]
 
 
 class _Dispatching:
@@ -32,11 +32,6 @@ class _Dispatching:
 
 
 _DISPATCHING: dict[type, type] = {}
-
-
-def torch_class(cls: type) -> type:
-    """``nn.LSTM`` for dpfunc's dispatching LSTM class (likewise the others); else ``cls``."""
-    return UNDERLYING.get(cls, cls)
 
 
 def attach(module: nn.Module, hooks, path: str) -> None:

@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .dispatch import torch_class
 from .linear import positions
-from .registry import Outer, Rule, register_unrolled
+from .registry import Outer, Rule, register_unrolled, torch_class
 
 GATES = {"LSTM": 4, "GRU": 3, "RNN_TANH": 1, "RNN_RELU": 1}
 

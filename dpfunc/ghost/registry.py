@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor, nn
 
-__all__ = ["Outer", "Rule", "register_rule", "rule_for"]
+__all__ = ["Outer", "Rule", "register_rule", "rule_for", "torch_class"]
 
 
 class Outer(NamedTuple):
@@ -78,6 +78,20 @@ class Rule:
 
 _RULES: dict[type | str, Rule] = {}
 UNDERLYING: dict[type, type] = {}  # a class dpfunc swaps in -> the class it stands for
+
+
+def torch_class(cls: type) -> type:
+    """The class ``cls`` stands for: ``nn.LSTM`` for the class dpfunc swaps into an LSTM.
+
+    While ghost hooks are on a layer that runs itself in a ghost pass
+    (``nn.LSTM``, ``nn.MultiheadAttention``, ...), its class is a subclass
+    dpfunc made (:mod:`dpfunc.ghost.dispatch`); this maps it back. Any other
+    class is returned as it is.
+
+    >>> torch_class(nn.Linear) is nn.Linear
+    True
+    """
+    return UNDERLYING.get(cls, cls)
 
 
 def register_rule(
@@ -145,7 +159,7 @@ def rule_for(module: nn.Module) -> tuple[Rule | None, str]:
         return None, "has parametrizations"
     if "forward" in module.__dict__:
         return None, "its forward is replaced on the instance"
-    cls = UNDERLYING.get(type(module), type(module))
+    cls = torch_class(type(module))
     for base in cls.__mro__:
         rule = _RULES.get(base) or _RULES.get(_qualified(base))
         if rule is None:

@@ -18,90 +18,26 @@ accumulate in float32, and the sum of half parameters is returned in float32.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import grad_and_value
 
-from ..clipping import clip_factors, groups_by_module, rounding_scope
+from ..clipping import (
+    Clipped,
+    ClippingPolicy,
+    norms_from_squares,
+    rounding_scope,
+    weights_by_parameter,
+)
 from ..per_sample import vmap_over_examples
 from ..tree import Params, PyTree
-from . import dispatch
 from .bounds import combine, form_norms, form_sum, formed_norms, weighted_sum, widen_form
-from .registry import Rule, rule_for
+from .hooks import GhostHooks, attribute, install_hooks, module_input, parameters, remove_hooks
+from .planner import GhostModule, GhostPlan
+from .registry import Rule
 
-if TYPE_CHECKING:
-    from .planner import GhostModule, GhostPlan
-
+# the hooks live in dpfunc.ghost.hooks; their names stay importable from here
 __all__ = ["GhostHooks", "ghost_clip", "install_hooks", "remove_hooks"]
-
-
-class GhostHooks:
-    """The forward hooks dpfunc keeps on a model; inert while ``ctx`` is ``None``."""
-
-    def __init__(self, model: nn.Module):
-        self.ctx: Any = None
-        self.modules: dict[str, nn.Module] = {}
-        self.rules: dict[str, Rule] = {}
-        self.handles = []
-        self.ids: dict[str, int] = {}  # path -> id of dpfunc's hook on that module
-        for path, module in model.named_modules():
-            rule, _ = rule_for(module)
-            if rule is None:
-                continue
-            self.modules[path] = module
-            self.rules[path] = rule
-            handle = module.register_forward_hook(
-                ForwardHook(self, path), prepend=True, with_kwargs=True
-            )
-            self.handles.append(handle)
-            self.ids[path] = handle.id
-            if rule.unrolled:  # a fused kernel hides the gradients its rule needs
-                dispatch.attach(module, self, path)
-
-
-class ForwardHook:
-    def __init__(self, hooks: GhostHooks, path: str):
-        self.hooks = hooks
-        self.path = path
-
-    def __call__(self, module, args, kwargs, output):
-        ctx = self.hooks.ctx
-        if ctx is None:
-            return None
-        return ctx.after_forward(self.path, module, args, kwargs, output)
-
-
-def install_hooks(model: nn.Module) -> GhostHooks:
-    """Registers (once per model) the ghost hooks on every covered submodule."""
-    hooks = model.__dict__.get("_dpfunc_ghost_hooks")
-    if hooks is None:
-        hooks = GhostHooks(model)
-        model.__dict__["_dpfunc_ghost_hooks"] = hooks
-    return hooks
-
-
-def remove_hooks(model: nn.Module) -> None:
-    """Removes dpfunc's ghost hooks from ``model`` (e.g. before ``torch.jit.script``).
-
-    Steps built on ``model`` with ghost clipping must not be used afterwards.
-    """
-    hooks = model.__dict__.pop("_dpfunc_ghost_hooks", None)
-    if hooks is not None:
-        for handle in hooks.handles:
-            handle.remove()
-        for module in hooks.modules.values():
-            dispatch.detach(module, hooks)
-
-
-def module_input(args: tuple, kwargs: dict) -> Any:
-    """A layer call's first input, positional or by keyword."""
-    if args:
-        return args[0]
-    if "input" in kwargs:
-        return kwargs["input"]
-    return next(iter(kwargs.values()), None)
 
 
 def _probes(m: GhostModule, device: torch.device) -> tuple:
@@ -112,19 +48,6 @@ def _probes(m: GhostModule, device: torch.device) -> tuple:
         else torch.zeros(shape, dtype=m.dtype, device=device)
         for shape in m.probes
     )
-
-
-def attribute(module: nn.Module, dotted: str) -> Any:
-    """``module.out_proj.weight`` for ``"out_proj.weight"``: whatever is bound there now."""
-    for part in dotted.split("."):
-        module = getattr(module, part, None)
-    return module
-
-
-def parameters(module: nn.Module, rule: Rule) -> list[str]:
-    """The parameters a rule covers: the module's own, and submodules' it uses itself."""
-    own = [attr for attr, p in module._parameters.items() if isinstance(p, Tensor)]
-    return own + [attr for attr in rule.owns if isinstance(attribute(module, attr), Tensor)]
 
 
 class _Run:
@@ -183,10 +106,10 @@ def ghost_clip(
     batch: PyTree,
     mask: Tensor,
     *,
-    clipping: str,
+    clipping: ClippingPolicy | str,
     clip_norm: float | Tensor,
     chunk_size: int | None = None,
-) -> tuple[Params, Tensor, Tensor, Tensor]:
+) -> tuple[Params, Tensor, Clipped]:
     """The clipped sum of one micro-batch by ghost clipping and book-keeping.
 
     Args:
@@ -194,20 +117,24 @@ def ghost_clip(
         hooks, plan: from :class:`dpfunc.ghost.GhostClipper` (``plan.modules``
             not empty).
         mask: ``Tensor[B]`` bool, ``False`` for padding rows.
-        clipping: ``"flat"``, ``"normalized"`` or ``"per_layer"`` (groups
-            by owning module, as :func:`dpfunc.groups_by_module`).
-        clip_norm: ``C``.
+        clipping: the :class:`dpfunc.clipping.ClippingPolicy` (or its mode,
+            ``"flat"``, ``"normalized"`` or ``"per_layer"``), the one the
+            vmap path applies: it turns the ghost norms into clip factors.
+        clip_norm: ``C``, a float or adaptive clipping's 0-d tensor.
         chunk_size: passed to ``vmap``.
 
     Returns:
-        ``(summed, losses[B], norms[B] float64, scaled[B] bool)``: ``summed``
-        equals ``clipped_sum(per_sample_grads(...), factors, mask)`` of the
-        vmap path; it is float32 for bf16 and fp16 parameters (accumulated in
-        float32), else in the parameters' dtype. ``norms`` bound the norm of
-        each example's contribution to ``summed``, rounding included. A
-        padding row or an example with a non-finite norm contributes exactly
-        0, even with NaN in its activations or gradients.
+        ``(summed, losses[B], clipped)``: ``summed`` equals
+        ``clipped_sum(per_sample_grads(...), clipped.weights, groups=...)`` of
+        the vmap path; it is float32 for bf16 and fp16 parameters
+        (accumulated in float32), else in the parameters' dtype.
+        ``clipped`` is the policy's :class:`~dpfunc.clipping.Clipped`, whose
+        ``norm`` bounds the norm of each example's contribution to
+        ``summed``, rounding included. A padding row or an example with a
+        non-finite norm contributes exactly 0, even with NaN in its
+        activations or gradients.
     """
+    policy = clipping if isinstance(clipping, ClippingPolicy) else ClippingPolicy(clipping)
     covered_names = set(plan.covered)
     covered = {k: v for k, v in params.items() if k in covered_names}
     other = {k: v for k, v in params.items() if k not in covered_names}
@@ -264,34 +191,17 @@ def ghost_clip(
     for name, g in other_grads.items():
         squared[name] = formed_norms(g)
 
-    mask = mask.to(torch.bool)
-    # the vmap path's margin (public: rows, dtypes, sizes): it also covers the float64
-    # additions of micro-batch sums that follow; the bounds above cover this sum's rounding
-    margin = rounding_scope(params, mask.shape[0])
-    if clipping == "per_layer":
-        groups = groups_by_module(params)
-        group_norms = {
-            group: torch.stack([squared[n] for n in members]).sum(0).sqrt()
-            for group, members in groups.items()
-        }
-        factors = clip_factors(group_norms, clip_norm, **margin)
-        total = torch.stack([n.square() for n in group_norms.values()]).sum(0).sqrt()
-        scaled = torch.stack([f < 1 for f in factors.values()]).any(0)
-        weights = {
-            n: torch.where(mask, factors[group], torch.zeros_like(factors[group]))
-            for group, members in groups.items()
-            for n in members
-        }
-    else:
-        total = torch.stack([squared[n] for n in names]).sum(0).sqrt()
-        factor = clip_factors(total, clip_norm, normalize=clipping == "normalized", **margin)
-        scaled = factor < 1
-        factor = torch.where(mask, factor, torch.zeros_like(factor))
-        weights = dict.fromkeys(names, factor)
+    # the vmap path's norms, factors and margin (public: rows, dtypes, sizes); the margin
+    # also covers the float64 additions of micro-batch sums that follow, and the bounds
+    # above cover this sum's rounding
+    groups = policy.groups(params)
+    norms = norms_from_squares({n: squared[n] for n in names}, groups)
+    clipped = policy(norms, clip_norm, mask.to(torch.bool), **rounding_scope(params, mask.shape[0]))
+    weights = weights_by_parameter(clipped.weights, names, groups)
 
     summed = {name: form_sum(form, weights[name], params[name].shape)
               for name, form in joined.items()}  # fmt: skip
     for name, g in other_grads.items():
         summed[name] = weighted_sum(g, weights[name])
     summed = {k: summed[k] for k in names}
-    return summed, losses, total, scaled
+    return summed, losses, clipped
