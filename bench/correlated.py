@@ -9,7 +9,7 @@ The workload: an MLP of about 1.0M float32 parameters (784 -> 1000 -> 215 -> 10,
 on a fixed batch of 64 random examples, ``make_train_step`` on the vmap path with SGD. For each
 band count the step is timed ``REPEATS`` times round-robin in one process, after
 ``WARMUP`` untimed steps, eager and compiled (``torch.compile(fullgraph=True)``), with
-the noise tree drawn outside the timing as the Trainer does. As in ``run.py``, a repeat
+the noise tree drawn outside the timing as the Trainer does. As in ``harness.py``, a repeat
 is quiet if other processes took under ``QUIET_LOAD`` cores meanwhile, and with at
 least ``MIN_QUIET`` quiet repeats only those count. Ratios are against ``bands=1``
 (DP-SGD), the same code without the recurrence.
@@ -39,7 +39,7 @@ from torch import nn
 from torch.func import functional_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-from run import MIN_QUIET, QUIET_LOAD, cpu_ticks, other_cores  # noqa: E402 (bench/run.py)
+from harness import MIN_QUIET, QUIET_LOAD, cpu_ticks, other_cores  # noqa: E402
 
 import dpfunc  # noqa: E402
 

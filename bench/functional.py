@@ -13,7 +13,7 @@ noise tree, the average and SGD. dpfunc's step is ``make_train_step`` without
 ``model=`` (per-example gradients from vmap, norms accumulated in float64,
 NaN-safe clipped sum). Both take the same noise tree, so their parameters
 must agree (checked to 1e-5). Times are medians of round-robin repeats in one
-process (``bench/run.py``'s machinery); peak memory is the extra resident
+process (``bench/harness.py``'s machinery); peak memory is the extra resident
 memory one step needs, for the eager and the compiled vmap step.
 Target: dpfunc eager at most 1.15x the hand-written step.
 """
@@ -34,7 +34,7 @@ from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import run  # noqa: E402  (bench/run.py: workloads, timing and memory helpers)
+import harness  # noqa: E402  (bench/harness.py: workloads, timing and memory helpers)
 
 import dpfunc  # noqa: E402
 
@@ -42,7 +42,7 @@ WORKLOADS = ("mlp", "cnn")
 TARGET = 1.15  # dpfunc eager / hand-written eager
 FULL = {"warmup": 3, "repeats": 15}
 QUICK = {"warmup": 2, "repeats": 5}
-LR, CLIP_NORM, NOISE_MULTIPLIER = run.LR, run.CLIP_NORM, run.NOISE_MULTIPLIER
+LR, CLIP_NORM, NOISE_MULTIPLIER = harness.LR, harness.CLIP_NORM, harness.NOISE_MULTIPLIER
 
 
 def loss_of(model, buffers):
@@ -108,12 +108,12 @@ METHODS = {
 
 
 def bench(name: str, warmup: int, repeats: int) -> dict:
-    torch.manual_seed(run.SEED)
-    model, x, y = run.WORKLOADS[name]()
+    torch.manual_seed(harness.SEED)
+    model, x, y = harness.WORKLOADS[name]()
     built = {m: METHODS[m](copy.deepcopy(model), x, y) for m in METHODS}
     first = {}
     for method, (step, _) in built.items():
-        first[method] = run.timed(step)
+        first[method] = harness.timed(step)
     params = {m: get() for m, (_, get) in built.items()}  # after exactly one step each
     difference = max(
         float((params["dpfunc_vmap"][k] - params["hand_written"][k]).abs().max())
@@ -126,9 +126,9 @@ def bench(name: str, warmup: int, repeats: int) -> dict:
     order = list(built)
     for r in range(repeats):
         for method in order[r % len(order) :] + order[: r % len(order)]:
-            samples[method].append(run.timed(built[method][0]) * 1000)
+            samples[method].append(harness.timed(built[method][0]) * 1000)
     ms = {m: statistics.median(s) for m, s in samples.items()}
-    memory = {m: run.peak_mb(built[m][0]) for m in built}
+    memory = {m: harness.peak_mb(built[m][0]) for m in built}
     return {
         "batch_size": len(x),
         "params": sum(p.numel() for p in model.parameters()),

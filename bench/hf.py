@@ -21,7 +21,7 @@ the attention_mask marks the rest):
   target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)``: only the adapters train.
 
 Dropout probabilities are 0 and the models stay in train mode. The methods are
-bench/run.py's builders (same names) with a forward that calls the model on
+bench/harness.py's builders (same names) with a forward that calls the model on
 ``(input_ids, attention_mask)`` and the workload's loss: ``nonprivate`` (eager PyTorch,
 mean loss, SGD), ``dpfunc_ghost`` (dpfunc's default step, ``make_train_step(...,
 model=model)``, method "auto"), ``dpfunc_vmap`` (method "vmap"), each eager and under
@@ -32,7 +32,7 @@ per-sample gradients of those embeddings come out with 1 row. ``opacus_hooks_ids
 ``opacus_ghost_ids`` pass them in explicitly with a batch dimension (the usual workaround;
 same math), so there are Opacus numbers to compare with (Opacus' ghost mode still refuses
 GPT-2's tied embedding).
-Timing, memory and the tables are bench/run.py's. A method that raises is a result: its
+Timing, memory and the tables are bench/harness.py's. A method that raises is a result: its
 row says ``failed:`` with the exception type and the first line of its message (the
 traceback goes to hf.json and stdout). Warnings raised while a method is built and
 warmed up are recorded too; hf.md quotes dpfunc's own (and vmap's fallbacks).
@@ -61,8 +61,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (bench/harness.py: builders, timing, memory, tables)
 import peft  # noqa: E402
-import run  # noqa: E402  (bench/run.py: builders, timing, memory, tables)
 
 # Two compiled methods can trace to the same graph (method "auto" that settles on plain vmap);
 # without these the second would hit the first one's cached graph and "compile s" would not
@@ -175,7 +175,7 @@ WORKLOADS = {
 }
 
 
-# --- methods: bench/run.py's builders on this forward and loss ------------------------
+# --- methods: bench/harness.py's builders on this forward and loss ------------------------
 
 
 def builders(criterion, explicit_ids=logits_explicit_ids) -> dict:
@@ -187,13 +187,13 @@ def builders(criterion, explicit_ids=logits_explicit_ids) -> dict:
         return {"forward": forward, "criterion": criterion()}
 
     def dp(method, compile=False):
-        return lambda m, x, y: run.dpfunc_step(m, x, y, method, compile=compile, **kw())
+        return lambda m, x, y: harness.dpfunc_step(m, x, y, method, compile=compile, **kw())
 
     def opacus(mode, forward=logits):
-        return lambda m, x, y: run.opacus(m, x, y, mode, **kw(forward))
+        return lambda m, x, y: harness.opacus(m, x, y, mode, **kw(forward))
 
     return {
-        "nonprivate": lambda m, x, y: run.nonprivate(m, x, y, **kw()),
+        "nonprivate": lambda m, x, y: harness.nonprivate(m, x, y, **kw()),
         "dpfunc_vmap": dp("vmap"),
         "dpfunc_vmap_compiled": dp("vmap", compile=True),
         "dpfunc_ghost": dp("auto"),
@@ -276,7 +276,7 @@ def ghost_plan(train_step, names: list[str]) -> str | None:
 
 def targets_table(results: dict) -> list[str]:
     """One row per workload: the default step, compiled and eager, against the targets."""
-    t = TARGETS
+    t, fmt = TARGETS, harness.fmt
     lines = [
         "## Targets for the default step",
         "",
@@ -317,9 +317,9 @@ def targets_table(results: dict) -> list[str]:
         else:
             met = ("**no**" if not all(checked) else "so far") + " (not all measured)"
         row = [
-            name, run.fmt(base.get("median_ms"), ".2f"), run.fmt(comp.get("median_ms"), ".2f"),
-            cells[0][0], cells[1][0], run.fmt(comp.get("compile_s"), ".1f"),
-            run.fmt(eager.get("median_ms"), ".2f"), cells[2][0], cells[3][0], met,
+            name, fmt(base.get("median_ms"), ".2f"), fmt(comp.get("median_ms"), ".2f"),
+            cells[0][0], cells[1][0], fmt(comp.get("compile_s"), ".1f"),
+            fmt(eager.get("median_ms"), ".2f"), cells[2][0], cells[3][0], met,
         ]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
     return lines
@@ -346,7 +346,7 @@ def notes(results: dict) -> list[str]:
 
 
 def markdown(results: dict) -> str:
-    lines = run.header(results, "dpfunc step benchmark: Hugging Face models")
+    lines = harness.header(results, "dpfunc step benchmark: Hugging Face models")
     lines += [
         f"Batch {B} sequences of {T} tokens, right-padded (lengths {MIN_LENGTH}..{T}), "
         "models from small configs, dropout 0, train mode; see the docstring of "
@@ -358,7 +358,7 @@ def markdown(results: dict) -> str:
         "2-5 minutes on 2 CPU cores.",
         "",
     ]
-    lines += targets_table(results) + [""] + notes(results) + run.workload_tables(results)
+    lines += targets_table(results) + [""] + notes(results) + harness.workload_tables(results)
     return "\n".join(lines)
 
 
@@ -369,15 +369,15 @@ def main():
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     args = parser.parse_args()
-    settings = run.QUICK if args.quick else run.FULL
+    settings = harness.QUICK if args.quick else harness.FULL
     workloads, methods = args.workloads.split(","), args.methods.split(",")
     for name in workloads + methods:
         if name not in WORKLOADS and name not in METHODS:
             parser.error(f"unknown workload or method {name!r}")
-    skip = {m: "skipped: --quick does not compile" for m in run.COMPILED} if args.quick else {}
+    skip = {m: "skipped: --quick does not compile" for m in harness.COMPILED} if args.quick else {}
 
     start = time.perf_counter()
-    results = run.new_results(args.quick, settings)
+    results = harness.new_results(args.quick, settings)
     results["machine"].update(transformers=transformers.__version__, peft=peft.__version__)
     results["settings"].update(batch=B, tokens=T, vocab=VOCAB, min_length=MIN_LENGTH)
     results["targets"] = TARGETS
@@ -387,10 +387,10 @@ def main():
         logs = {m: {} for m in methods}
         table = builders(criterion, explicit_ids)
         table = {m: recorded(table[m], logs[m], settings["warmup"]) for m in methods}
-        info = run.bench_workload(
+        info = harness.bench_workload(
             name, methods, skip=skip, **settings, workloads={name: build}, builders=table
         )
-        torch.manual_seed(run.SEED)
+        torch.manual_seed(harness.SEED)
         trained = {n: p for n, p in build()[0].named_parameters() if p.requires_grad}
         info["trainable_params"] = sum(p.numel() for p in trained.values())
         for method, log in logs.items():
@@ -407,7 +407,7 @@ def main():
     results["machine"]["load_average_at_end"] = os.getloadavg()
     if FRESH_CACHE:
         shutil.rmtree(FRESH_CACHE, ignore_errors=True)
-    run.write_results(results, Path(args.out), "hf", markdown(results))
+    harness.write_results(results, Path(args.out), "hf", markdown(results))
 
 
 if __name__ == "__main__":

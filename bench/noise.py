@@ -8,7 +8,7 @@ Run from the repository root:
 One process, one tree of 1,000,000 parameters shaped like an MLP's (784 x 1000 and
 215 x 1000 weights, a bias of 1000), float32 unless a row says float64. Each draw is
 timed ``REPEATS`` times round-robin (the starting draw rotated) after ``WARMUP`` untimed
-draws, with torch's default threads; as in ``run.py``, a repeat is quiet if other
+draws, with torch's default threads; as in ``harness.py``, a repeat is quiet if other
 processes took under ``QUIET_LOAD`` cores meanwhile, and with at least ``MIN_QUIET``
 quiet repeats the statistics use only those. The table gives the median, the fastest
 draw and the median's ratio to ``torch.randn`` of the same shapes from a seeded
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
-from run import MIN_QUIET, QUIET_LOAD, cpu_ticks, other_cores  # noqa: E402 (bench/run.py)
+from harness import MIN_QUIET, QUIET_LOAD, cpu_ticks, other_cores  # noqa: E402
 
 import dpfunc  # noqa: E402
 

@@ -6,7 +6,7 @@ Run from the repository root:
     .venv/bin/python bench/trainer.py --quick    # fewer steps, no torch.compile
     .venv/bin/python bench/trainer.py --out DIR
 
-The workload is bench/run.py's MLP (784-512-256-10) on 5,120 random examples
+The workload is bench/harness.py's MLP (784-512-256-10) on 5,120 random examples
 with an expected batch of 256 (sample rate 0.05). The baseline is what a user
 writes without privacy: a shuffled ``DataLoader`` of batch 256, forward,
 cross-entropy, backward and ``torch.optim.SGD``. ``dpfunc.Trainer`` adds what
@@ -33,7 +33,7 @@ from torch.func import functional_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import run  # noqa: E402  (bench/run.py: the workloads)
+import harness  # noqa: E402  (bench/harness.py: the workloads)
 
 import dpfunc  # noqa: E402
 
@@ -44,19 +44,19 @@ QUICK = {"epochs": 1}
 
 
 def data():
-    generator = torch.Generator().manual_seed(run.SEED)
+    generator = torch.Generator().manual_seed(harness.SEED)
     x = torch.randn(EXAMPLES, 784, generator=generator)
     return x, torch.randint(10, (EXAMPLES,), generator=generator)
 
 
 def plain_loop(epochs: int) -> list[float]:
-    torch.manual_seed(run.SEED)
-    model, _, _ = run.mlp()
+    torch.manual_seed(harness.SEED)
+    model, _, _ = harness.mlp()
     x, y = data()
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=True
     )
-    opt = torch.optim.SGD(model.parameters(), lr=run.LR)
+    opt = torch.optim.SGD(model.parameters(), lr=harness.LR)
     per_epoch = []
     for epoch in range(epochs + 1):
         started = time.perf_counter()
@@ -70,8 +70,8 @@ def plain_loop(epochs: int) -> list[float]:
 
 
 def trainer(epochs: int, compile: bool, ghost: bool) -> list[float]:
-    torch.manual_seed(run.SEED)
-    model, _, _ = run.mlp()
+    torch.manual_seed(harness.SEED)
+    model, _, _ = harness.mlp()
     params, buffers = dpfunc.functionalize(model)
 
     def loss_fn(p, example):
@@ -82,11 +82,11 @@ def trainer(epochs: int, compile: bool, ghost: bool) -> list[float]:
         loss_fn,
         params,
         data(),
-        optimizer=dpfunc.optim.sgd(lr=run.LR),
+        optimizer=dpfunc.optim.sgd(lr=harness.LR),
         epochs=epochs + 1,
         expected_batch_size=BATCH,
-        clip_norm=run.CLIP_NORM,
-        noise_multiplier=run.NOISE_MULTIPLIER,
+        clip_norm=harness.CLIP_NORM,
+        noise_multiplier=harness.NOISE_MULTIPLIER,
         accounting="rdp",
         compile=compile,
         progress=False,
