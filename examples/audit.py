@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import time
 import warnings
 
+import report  # examples/report.py: tables, JSON and plots
 import torch
 
 import dpfunc
@@ -159,10 +159,8 @@ VARIANTS = ["sound", "noise halved", "no clipping", "realised batch", "public se
 
 
 def plot(rows: list[dict], path: str) -> None:
-    import matplotlib.pyplot as plt
-
     claims = [r["claimed_epsilon"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig, ax = report.pyplot().subplots(figsize=(6, 4.5))
     top = max(max(claims), max(r[v] for r in rows for v in VARIANTS)) * 1.1
     ax.plot([0, top], [0, top], color="grey", linestyle="--", label="claim (accountant)")
     for variant, marker in zip(VARIANTS, "os^Dv"):
@@ -171,15 +169,13 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_ylabel(f"audited lower bound ({CONFIDENCE:.0%} confidence)")
     ax.set_title("Canary audit of one full-batch DP-SGD step")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.save_figure(fig, path)
 
 
 def main(smoke: bool, out: str) -> None:
     targets, runs, realised_runs = TARGET_EPSILONS, RUNS, REALISED_RUNS
     if smoke:
         targets, runs, realised_runs = (SMOKE[k] for k in SMOKE)
-    os.makedirs(out, exist_ok=True)
     rows = []
     print(f"{'claim':>6} " + " ".join(f"{v:>14}" for v in VARIANTS) + "  seconds")
     for target in targets:
@@ -192,8 +188,7 @@ def main(smoke: bool, out: str) -> None:
         cells = " ".join(f"{row[v]:>12.2f}{' !' if caught[v] else '  '}" for v in VARIANTS)
         print(f"{row['claimed_epsilon']:>6.2f} {cells}  {time.perf_counter() - started:.0f}")
     print("'!' marks a bound above the claim: an implementation proved less private than claimed")
-    with open(os.path.join(out, "audit.json"), "w") as f:
-        json.dump(rows, f, indent=2)
+    report.save_json(rows, os.path.join(out, "audit.json"))
     plot(rows, os.path.join(out, "audit.png"))
     sound_ok = all(r["sound"] <= r["claimed_epsilon"] for r in rows)
     print(f"sound implementation within every claim: {sound_ok}")

@@ -54,7 +54,7 @@ import math
 import os
 import time
 
-import matplotlib.pyplot as plt
+import report  # examples/report.py: tables, JSON and plots
 import torch
 from torch import nn
 from torch.func import functional_call, jacrev, vmap
@@ -206,7 +206,7 @@ def main(smoke: bool, out: str) -> None:
         ("|private - exact|", errors["private"], "magma", (0, error_max)),
         ("|non-private - exact|", errors["non-private"], "magma", (0, error_max)),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 8))
+    fig, axes = report.pyplot().subplots(2, 3, figsize=(13, 8))
     for ax, (title, values, cmap, (low, high)) in zip(axes.flat, panels):
         image = ax.imshow(
             values.T, origin="lower", extent=(0, 1, 0, 1), cmap=cmap, vmin=low, vmax=high
@@ -224,11 +224,8 @@ def main(smoke: bool, out: str) -> None:
     ax.set_title("relative L2 error on the test grid")
     ax.legend()
     fig.suptitle("DP-SGD PINN: Laplacian u = -5 pi^2 sin(2 pi x) sin(pi y), u = 0 on the boundary")
-    fig.tight_layout()
-    path = os.path.join(out, "pinn_laplacian.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"\nsaved {path}")
+    print()
+    report.save_figure(fig, os.path.join(out, "pinn_laplacian.png"), dpi=100)
 
 
 if __name__ == "__main__":

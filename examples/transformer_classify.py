@@ -31,10 +31,10 @@ Run (about 20 seconds on a CPU):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
+import report  # examples/report.py: tables, JSON and plots
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -104,7 +104,6 @@ def main(smoke: bool, out: str) -> None:
     if smoke:
         num_train, batch, epochs = SMOKE_NUM_TRAIN, SMOKE_BATCH_SIZE, SMOKE_EPOCHS
         privacy = dict(noise_multiplier=SMOKE_NOISE_MULTIPLIER)
-    os.makedirs(out, exist_ok=True)
     torch.set_num_threads(THREADS)
     torch.manual_seed(SEED)
     generator = torch.Generator().manual_seed(SEED)
@@ -173,10 +172,7 @@ def main(smoke: bool, out: str) -> None:
         "steps": trainer.steps_done,
         "seconds": seconds,
     }
-    path = os.path.join(out, "transformer_classify.json")
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=2)
-    print(f"saved {path}")
+    report.save_json(summary, os.path.join(out, "transformer_classify.json"))
 
 
 if __name__ == "__main__":

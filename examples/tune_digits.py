@@ -72,6 +72,7 @@ import statistics
 import time
 
 import digits  # examples/digits.py: the demo's data, features, model and training pipeline
+import report  # examples/report.py: tables, JSON and plots
 import torch
 from sklearn.model_selection import train_test_split
 
@@ -199,7 +200,7 @@ def main(stage: int | None, out: str, smoke: bool = False) -> None:
             flush=True,
         )
 
-    def report(stage, epsilon, top):
+    def print_best(stage, epsilon, top):
         rows = [r for r in results if r["stage"] == stage and r["epsilon"] == epsilon]
         rows.sort(key=lambda r: r["val_accuracy"], reverse=True)
         print(f"\nstage {stage}, epsilon {epsilon}: best {top} of {len(rows)}")
@@ -218,7 +219,7 @@ def main(stage: int | None, out: str, smoke: bool = False) -> None:
                 grid = itertools.product(STEPS, LRS)
             for steps, lr in grid:
                 score(1, "default", epsilon, digits.SAMPLE_RATE, steps, lr)
-            report(1, epsilon, top=10)
+            print_best(1, epsilon, top=10)
 
     if stage in (None, 2):
         epsilons = [e for e in TARGET_EPSILONS if e is not None]  # private budgets only
@@ -241,7 +242,7 @@ def main(stage: int | None, out: str, smoke: bool = False) -> None:
                         lr * variant.get("lr_scale", 1.0) * factor,
                         **config,
                     )
-            report(2, epsilon, top=len(VARIANTS) * len(LR_FACTORS))
+            print_best(2, epsilon, top=len(VARIANTS) * len(LR_FACTORS))
 
     if stage in (None, 3):  # the ablation, on fresh splits
         epsilons = [e for e in TARGET_EPSILONS if e is not None]
@@ -283,10 +284,7 @@ def main(stage: int | None, out: str, smoke: bool = False) -> None:
             )
 
     name = "tune_digits.json" if stage is None else f"tune_digits_stage{stage}.json"
-    path = os.path.join(out, name)
-    with open(path, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"saved {path}")
+    report.save_json(results, os.path.join(out, name))
 
 
 if __name__ == "__main__":
