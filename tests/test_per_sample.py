@@ -141,19 +141,8 @@ def test_transformer_layers(layer):
         )
 
 
-class TiedLanguageModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(7, 4)
-        self.out = nn.Linear(4, 7, bias=False)
-        self.out.weight = self.embed.weight
-
-    def forward(self, tokens):
-        return self.out(torch.tanh(self.embed(tokens)))
-
-
-def test_tied_weights_sum_both_uses():
-    model = TiedLanguageModel()
+def test_tied_weights_sum_both_uses(tied_language_model):
+    model = tied_language_model
     params, _ = dpfunc.functionalize(model)
     assert list(params) == ["embed.weight"]
     tokens = torch.randint(0, 7, (B, 3))
