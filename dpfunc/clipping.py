@@ -293,7 +293,7 @@ def clip_margin(
         e_norm = 1 - (1 - _gamma(NORM_CHUNK + 2, torch.float32)) * (1 - float64_norm)
         floor = math.sqrt(size * 2.0**-125)
         summed = (1 + _gamma(rows + 2, acc)) * (1 + _gamma(ACCUMULATED_SUMS, F64)) - 1
-    if e_norm >= 1 or math.isinf(summed):
+    if e_norm >= 1 or summed == math.inf:  # not math.isinf: rows may be symbolic when compiled
         raise ValueError(
             f"rows={rows!r} and size={size!r} are too large for a rounding bound in {acc}"
         )

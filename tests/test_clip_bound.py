@@ -153,3 +153,13 @@ def test_single_micro_batch_step_equals_zeros_accumulate_apply(dtype):
     # for bf16 (the optimizer's dtype); the parameter is rounded once, after the update
     private = ((summed["w"] + 1.3 * clip_norm * noise["w"]) / 3.0).to(accumulation_dtype(dtype))
     assert torch.equal(long.params["w"], (params["w"] - private * 0.5).to(dtype))
+
+
+def test_the_margin_compiles_for_a_dynamic_batch_size():
+    """Under automatic dynamic shapes the row count is symbolic: the margin still traces."""
+    factors = torch.compile(lambda n: dpfunc.clip_factors(n, 1.0), fullgraph=True, dynamic=True)
+    for rows in (8, 12):
+        norms = torch.rand(rows, dtype=torch.float64) * 3
+        torch.testing.assert_close(
+            factors(norms), dpfunc.clip_factors(norms, 1.0), rtol=1e-12, atol=0
+        )

@@ -506,17 +506,6 @@ def pinn_loss_problem():
     return model, forward, (torch.rand(B, 2), torch.randn(B))
 
 
-class TiedLanguageModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(7, 4)
-        self.out = nn.Linear(4, 7, bias=False)
-        self.out.weight = self.embed.weight
-
-    def forward(self, tokens):
-        return self.out(torch.tanh(self.embed(tokens)))
-
-
 @pytest.mark.parametrize("case", ["pinn", "weight_decay_in_loss"])
 def test_whole_step_falls_back_with_one_warning(case):
     if case == "pinn":
@@ -566,11 +555,11 @@ def test_a_forward_hook_before_dpfuncs_makes_its_module_fall_back():
         handle.remove()
 
 
-def test_tied_embeddings_are_ghosted_with_their_cross_terms():
+def test_tied_embeddings_are_ghosted_with_their_cross_terms(tied_language_model):
     """The input embedding and the output projection share one weight: its per-example
     gradient is the sum of both uses, and its norm needs the cross terms between them."""
     batch = torch.tensor([[1, 1, 2], [0, 3, 3], [6, 6, 6], [4, 0, 5], [0, 0, 0], [2, 5, 2]])
-    plan = assert_ghost_equals_vmap(TiedLanguageModel(), batch, ghosted=["embed", "out"])
+    plan = assert_ghost_equals_vmap(tied_language_model, batch, ghosted=["embed", "out"])
     assert plan.covered == ("embed.weight",) and not plan.reasons
 
 
@@ -696,9 +685,9 @@ def test_a_parameter_passed_as_its_own_layers_input_falls_back():
     assert plan.covered == ("lin.bias",)
 
 
-def test_tied_embeddings_with_int32_tokens():
+def test_tied_embeddings_with_int32_tokens(tied_language_model):
     batch = torch.tensor([[1, 1, 2], [0, 3, 3], [6, 6, 6], [4, 0, 5], [0, 0, 0], [2, 5, 2]])
-    assert_ghost_equals_vmap(TiedLanguageModel(), batch.int(), ghosted=["embed", "out"])
+    assert_ghost_equals_vmap(tied_language_model, batch.int(), ghosted=["embed", "out"])
 
 
 def test_construction_checks():
