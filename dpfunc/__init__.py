@@ -7,6 +7,7 @@ noise and average them; the step compiles with ``torch.compile``.
 
 from . import accounting, audit, data, distributed, matrix_factorization, optim
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
+from .config import DPConfig
 from .functional import check_per_example, functionalize, replace_batchnorm
 from .noise import add_noise, average, secret_seed, standard_normal_like
 from .per_sample import per_sample_grads, per_sample_grads_and_losses
@@ -16,6 +17,7 @@ from .trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "DPConfig",
     "ExampleStats",
     "TrainState",
     "TrainStep",

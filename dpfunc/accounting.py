@@ -69,6 +69,7 @@ __all__ = [
     "calibrate_noise_multiplier",
     "combined_noise_multiplier",
     "epsilon",
+    "max_steps_within",
     "participations",
 ]
 
@@ -416,6 +417,48 @@ def calibrate_noise_multiplier(
     if not e_hi <= target:  # the loop invariant; cannot fail
         raise RuntimeError(f"calibration failed: epsilon({hi}) = {e_hi} > {target}")
     return hi
+
+
+def max_steps_within(
+    epsilon_budget: float,
+    delta: float,
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    method: str = "pld",
+    *,
+    bands: int = 1,
+) -> int:
+    """The largest step count ``<= steps`` whose :func:`epsilon` is at most ``epsilon_budget``.
+
+    Every step of the run is the same ``(noise_multiplier, sample_rate)``
+    mechanism, and epsilon grows with the steps, so a binary search over
+    ``[0, steps]`` finds it with about ``log2(steps)`` evaluations. ``0``
+    when even one step spends more than the budget.
+
+    Raises:
+        ValueError: an argument is out of range (as for :func:`epsilon`),
+            or ``epsilon_budget`` is not a number > 0.
+
+    >>> max_steps_within(10.0, 1e-5, 1.0, 0.01, steps=100)
+    100
+    >>> max_steps_within(1e-3, 1e-5, 1.0, 0.01, steps=100)
+    0
+    """
+    budget = check_number("epsilon_budget", epsilon_budget, low=0, low_open=True)
+    steps = _check_steps(steps)
+
+    def within(count: int) -> bool:
+        spent = epsilon(noise_multiplier, sample_rate, count, delta, method, bands=bands)
+        return count == 0 or spent <= budget
+
+    if within(steps):
+        return steps
+    low, high = 0, steps  # within(low), not within(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if within(middle) else (low, middle)
+    return low
 
 
 class Accountant:

@@ -488,29 +488,26 @@ def train_with_step(
     bands: int = 1,
     iterates: bool = False,
 ) -> Params | list[Params]:
-    """Trains ``steps`` private steps with ``step`` (a TrainStep) the way the functional API does.
+    """Trains ``steps`` private steps with ``step`` (a TrainStep) the way the Trainer does.
 
     Each step draws a Poisson sample (:class:`dpfunc.data.PoissonBatches`,
-    cyclic over ``bands`` partitions when ``bands > 1``), accumulates its
-    fixed-shape micro-batches with ``step.accumulate``, draws the noise with
-    ``standard_normal_like`` and applies it once with ``step.apply``.
+    cyclic over ``bands`` partitions when ``bands > 1``) and runs
+    :meth:`~dpfunc.TrainStep.logical_step` on its fixed-shape micro-batches
+    with :meth:`~dpfunc.TrainStep.draw_noise`: the one logical step the
+    Trainer runs, so adaptive clipping's noisy count is audited too.
     ``seed=None`` draws a fresh secret. Returns the final parameters, or
     with ``iterates=True`` the list of all ``steps + 1`` parameter values
     from the initial ones on (what an attacker who sees every update has).
     """
     from .data import PoissonBatches
-    from .noise import standard_normal_like
 
     seed = secret_seed() if seed is None else seed
     batches = PoissonBatches(dataset, sample_rate, physical_batch_size, seed=seed, bands=bands)
     state = step.init(params)
     seen = [state.params]
     for t in range(steps):
-        summed = step.zeros(state.params)
-        for batch, mask in batches.logical_batch(t)[0]:
-            summed, _ = step.accumulate(summed, state.params, batch, mask)
-        noise = standard_normal_like(state.params, seed=seed, step=t, secure=secure_noise)
-        state = step.apply(state, summed, noise)
+        noise = step.draw_noise(state.params, seed=seed, step=t, secure=secure_noise)
+        state, _ = step.logical_step(state, batches.logical_batch(t)[0], noise)
         seen.append(state.params)
     return seen if iterates else state.params
 

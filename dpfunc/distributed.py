@@ -71,14 +71,12 @@ Usage (run with ``torchrun --nproc-per-node 2 script.py``)::
                                               noise_multiplier=1.1, expected_batch_size=256)
     state = step.init(params)                                 # collective: rank 0's params
     secret = dpfunc.distributed.shared_secret_seed()          # collective: rank 0 draws it
-    batches = dpfunc.data.PoissonBatches(dataset, 256 / n, 64, seed=secret,
-                                         rank=info.rank, world_size=info.world_size)
+    batches = step.config.sampler(dataset, 64, seed=secret,
+                                  rank=info.rank, world_size=info.world_size)
     for t in range(steps):
-        summed = step.zeros(state.params)
-        for batch, mask in batches.logical_batch(t)[0]:
-            summed, _ = step.accumulate(summed, state.params, batch, mask)
-        noise = dpfunc.standard_normal_like(state.params, seed=secret, step=t)
-        state = step.apply(state, summed, noise)             # all-reduce, noise once, update
+        noise = step.draw_noise(state.params, seed=secret, step=t)
+        state, _ = step.logical_step(state, batches.logical_batch(t)[0], noise)
+        # all-reduce, gather, noise once, update
     dpfunc.distributed.shutdown()
 """
 
@@ -96,10 +94,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import optim
+from .config import DPConfig, config_from
 from .noise import SECRET_BITS, secret_seed
 from .per_sample import LossFn
-from .step import ExampleStats, TrainState, TrainStep, summarize
-from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_structure
+from .step import Collectives, ExampleStats, TrainStep
+from .tree import Params, PyTree, tree_leaves, tree_structure
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -108,12 +107,14 @@ __all__ = [
     "ProcessInfo",
     "all_reduce_sum",
     "check_same_across_ranks",
+    "collectives",
     "gather_flags",
     "gather_stats",
     "init",
     "is_initialized",
     "make_train_step",
     "rank_and_world_size",
+    "resolve",
     "shared_secret_seed",
     "shutdown",
 ]
@@ -251,6 +252,26 @@ def rank_and_world_size() -> tuple[int, int]:
     if not is_initialized():
         return 0, 1
     return dist.get_rank(), dist.get_world_size()
+
+
+def resolve(distributed: bool | None) -> tuple[bool, int, int]:
+    """``(distributed, rank, world_size)`` for a ``distributed`` argument.
+
+    ``None`` means "exactly when a process group is initialised".
+
+    Raises:
+        ValueError: ``distributed=True`` without a process group.
+    """
+    if distributed is None:
+        distributed = is_initialized()
+    elif distributed and not is_initialized():
+        raise ValueError(
+            "distributed=True needs an initialised torch.distributed process group; call "
+            "dpfunc.distributed.init() first (launch with torchrun)"
+        )
+    if not distributed:
+        return False, 0, 1
+    return (True, *rank_and_world_size())
 
 
 def _require_group(who: str) -> None:
@@ -455,162 +476,71 @@ def gather_flags(ok: bool, what: str, step: int | None = None) -> list[bool]:
 # --------------------------------------------------------------------------- the step
 
 
-class DistributedTrainStep(TrainStep):
-    """A DP-SGD step whose logical batch is split across the ranks of a process group.
+def collectives(config: DPConfig) -> Collectives:
+    """``torch.distributed``'s collectives for a :class:`~dpfunc.TrainStep` of ``config``.
 
-    Build it with :func:`make_train_step`. ``zeros``, ``clip`` and
-    ``accumulate`` are the single-process ones (local, compilable).
-    ``apply`` all-reduces the clipped sum, then adds the noise once and
-    updates: ``apply = apply_reduced(state, all_reduce(summed), noise)``.
+    ``reduce`` all-reduces the clipped sum (float64; the same tensors, bit
+    for bit, on every rank), ``gather`` all-gathers the per-example stats,
+    and ``start`` checks that the step's settings agree across ranks and
+    broadcasts rank 0's initial parameters (into copies), as DDP does.
+
+    Raises:
+        RuntimeError: no process group is initialised.
     """
+    _require_group("dpfunc.distributed.make_train_step")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        _require_group("dpfunc.distributed.make_train_step")
-        super().__init__(*args, **kwargs)
-        self.rank, self.world_size = rank_and_world_size()
+    def reduce(summed: Params, step: int | Tensor | None) -> Params:
+        return all_reduce_sum(summed, step=step, what="all_reduce of the clipped gradient sum")
 
-    def init(self, params: Params) -> TrainState:
-        """The state before the first step, with rank 0's ``params`` on every rank.
+    def gather(stats: ExampleStats, step: int | Tensor | None) -> ExampleStats:
+        return gather_stats(stats, step=step)
 
-        Collective (call it on every rank): rank 0's parameters are broadcast
-        (into copies; ``params`` is not changed), as DDP does, so ranks whose
-        models were initialised differently still start identical. Also
-        checks that the step's settings agree across ranks.
-
-        Raises:
-            ValueError: ``clip_norm``, ``noise_multiplier``,
-                ``expected_batch_size`` or ``clipping`` differ between ranks.
-            CollectiveError: a collective failed.
-        """
+    def start(params: Params) -> Params:
         check_same_across_ranks(
             {
-                "clip_norm": self.clip_norm,
-                "noise_multiplier": self.noise_multiplier,
-                "expected_batch_size": self.expected_batch_size,
-                "clipping": self.clipping,
-                "bands": self.bands,
+                "clip_norm": config.clip_norm,
+                "noise_multiplier": config.noise_multiplier,
+                "expected_batch_size": config.expected_batch_size,
+                "clipping": config.clipping,
+                "bands": config.bands,
                 "params": [(tuple(x.shape), str(x.dtype)) for x in tree_leaves(params)],
             },
             "make_train_step settings",
         )
-        copies = tree_structure(params).unflatten([x.detach().clone() for x in tree_leaves(params)])
-        for leaf in tree_leaves(copies):
+        leaves = [x.detach().clone() for x in tree_leaves(params)]
+        for leaf in leaves:
             _collective(
                 "broadcast of rank 0's initial parameters",
                 None,
                 lambda leaf=leaf: dist.broadcast(leaf, src=0),
             )
-        return super().init(copies)
+        return tree_structure(params).unflatten(leaves)
 
-    def all_reduce(self, summed: Params, *, step: int | Tensor | None = None) -> Params:
-        """The clipped sum of the whole logical batch: ``summed`` summed over ranks.
-
-        ``summed`` is the float64 running sum of :meth:`zeros` and
-        :meth:`accumulate`: the reduction adds in float64, whose rounding the
-        clip margin covers (``dpfunc.clipping.ACCUMULATED_SUMS`` counts
-        micro-batches and ranks together), so every example's contribution
-        to the reduced sum still has norm at most ``clip_norm``. ``step``
-        only labels error messages. Returns a new tree; the same tensors (bit
-        for bit) on every rank.
-        """
-        return all_reduce_sum(summed, step=step, what="all_reduce of the clipped gradient sum")
-
-    def apply_reduced(
-        self,
-        state: TrainState,
-        summed: Params,
-        noise: Params,
-        count: Tensor | None = None,
-        count_noise: Tensor | None = None,
-    ) -> TrainState:
-        """``TrainStep.apply`` on an already all-reduced sum: noise once, average, update.
-
-        With adaptive clipping ``count`` is the WHOLE logical batch's count
-        (from the gathered stats), noised once like the sum. No collective,
-        so it compiles with ``torch.compile(fullgraph=True)``.
-        """
-        return TrainStep.apply(self, state, summed, noise, count, count_noise)
-
-    def apply(
-        self,
-        state: TrainState,
-        summed: Params,
-        noise: Params,
-        count: Tensor | None = None,
-        count_noise: Tensor | None = None,
-    ) -> TrainState:
-        """All-reduces this rank's clipped sum, adds ``noise`` once, averages, updates.
-
-        Args:
-            state: the (identical) state on every rank.
-            summed: THIS rank's clipped sum of its share of the logical batch.
-            noise: ``standard_normal_like(params, seed, step)``, the same on
-                every rank (same seed and step).
-
-        Raises:
-            ValueError: ``summed`` or ``noise`` does not match the parameters.
-            CollectiveError: the all-reduce failed.
-        """
-        check_same_structure(noise, state.params, "noise", "params")
-        check_same_structure(summed, state.params, "summed", "params")
-        reduced = self.all_reduce(summed, step=state.step)
-        return self.apply_reduced(state, reduced, noise, count, count_noise)
-
-    def gather_stats(
-        self, stats: ExampleStats, *, step: int | Tensor | None = None
-    ) -> ExampleStats:
-        """All ranks' per-example stats (see :func:`gather_stats`)."""
-        return gather_stats(stats, step=step)
-
-    def __call__(
-        self,
-        state: TrainState,
-        batch: PyTree,
-        mask: Tensor | None,
-        noise: Params,
-        count_noise: Tensor | None = None,
-    ) -> tuple[TrainState, dict[str, Tensor]]:
-        """One private step; each rank passes its own share in one micro-batch.
-
-        The metrics (and adaptive clipping's count) cover the whole logical
-        batch: all ranks' stats, gathered. As ``zeros``, ``accumulate`` and
-        ``apply``: the float64 sum is all-reduced.
-        """
-        check_same_structure(noise, state.params, "noise", "params")
-        clip_norm = state.clip_norm if self.adaptive else None
-        summed, stats = self.accumulate(
-            self.zeros(state.params), state.params, batch, mask, clip_norm
-        )
-        stats = self.gather_stats(stats, step=state.step)
-        count = self.unclipped_count(state, stats) if self.adaptive else None
-        return self.apply(state, summed, noise, count, count_noise), summarize(stats)
+    return Collectives(reduce=reduce, gather=gather, start=start, distributed=True)
 
 
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optim.GradientTransformation,
+    config: DPConfig | None = None,
     *,
-    clip_norm: float,
-    noise_multiplier: float,
-    expected_batch_size: float,
-    clipping: str = "flat",
-    chunk_size: int | None = None,
     model: nn.Module | None = None,
     method: str = "auto",
-    target_quantile: float | None = None,
-    quantile_learning_rate: float = 0.2,
-    count_noise_multiplier: float | None = None,
-    bands: int = 1,
-) -> DistributedTrainStep:
+    chunk_size: int | None = None,
+    **settings: Any,
+) -> TrainStep:
     """:func:`dpfunc.make_train_step` for data-parallel training on a process group.
 
     Same arguments, same state and the same result as the single-process
     step on the concatenated batch (up to float summation order), with
     ``expected_batch_size`` the GLOBAL expected batch size (``sample_rate *
-    num_examples`` of the whole dataset). Call everything on every rank:
-    ``init`` broadcasts rank 0's parameters; ``apply`` and ``__call__``
-    all-reduce the clipped sums, then add the shared ``noise`` once (see the
-    module docstring for why no broadcast is needed). With ``bands > 1`` the
+    num_examples`` of the whole dataset). It is a plain
+    :class:`~dpfunc.TrainStep` with :func:`collectives` injected. Call
+    everything on every rank: ``init`` broadcasts rank 0's parameters;
+    ``apply``, ``logical_step`` and ``__call__`` all-reduce the clipped
+    sums, then add the shared ``noise`` once (see the module docstring for
+    why no broadcast is needed); ``apply_reduced`` is the local rest
+    (noise, average, update), which compiles. With ``bands > 1`` the
     correlated noise is the same on every rank too: it is a function of the
     shared standard-normal trees and of the noise history in the state,
     which every rank updates identically.
@@ -619,18 +549,33 @@ def make_train_step(
         RuntimeError: no process group is initialised (call :func:`init`).
         ValueError, TypeError: as :func:`dpfunc.make_train_step`.
     """
-    return DistributedTrainStep(
+    config = config_from("dpfunc.distributed.make_train_step", config, settings)
+    return TrainStep(
         loss_fn,
         optimizer,
-        clip_norm=clip_norm,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        clipping=clipping,
-        chunk_size=chunk_size,
+        config,
         model=model,
         method=method,
-        target_quantile=target_quantile,
-        quantile_learning_rate=quantile_learning_rate,
-        count_noise_multiplier=count_noise_multiplier,
-        bands=bands,
+        chunk_size=chunk_size,
+        collectives=collectives(config),
     )
+
+
+class _Replaced(type):
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, TrainStep) and instance.distributed
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "DistributedTrainStep is no longer a class of its own: use "
+            "dpfunc.distributed.make_train_step(loss_fn, optimizer, config), which returns a "
+            "dpfunc.TrainStep with the torch.distributed collectives injected"
+        )
+
+
+class DistributedTrainStep(metaclass=_Replaced):
+    """Replaced by :func:`make_train_step`, a :class:`~dpfunc.TrainStep` with collectives.
+
+    ``isinstance(step, DistributedTrainStep)`` still tells a distributed
+    step; building one raises a ``TypeError`` that names the replacement.
+    """

@@ -34,13 +34,16 @@ half-precision parameters, whose optimizer state and update are float32).
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from . import optim
-from .checks import check_choice, check_int, check_number
+from .checks import check_choice, check_int
 from .clipping import (
     ClippingPolicy,
     accumulation_dtype,
@@ -50,13 +53,13 @@ from .clipping import (
     rounding_scope,
     unclipped_count,
 )
+from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPING_MODES: kept importable here)
 from .ghost import GhostClipper, ghost_clip
-from .matrix_factorization import init_noise_history, normalized_coefficients, solve_recurrence
-from .noise import add_noise, average, check_expected_batch_size
+from .matrix_factorization import init_noise_history, solve_recurrence
+from .noise import add_noise, average, standard_normal_like
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_map
 
-CLIPPING_MODES = ("flat", "per_layer", "normalized")
 SUM_DTYPE = torch.float64  # the running clipped sum of a logical batch
 METHODS = ("auto", "vmap", "ghost")
 
@@ -117,25 +120,92 @@ def summarize(stats: ExampleStats) -> dict[str, Tensor]:
     }
 
 
+NONFINITE = ("warn", "error")
+
+
+def check_nonfinite(metrics: dict[str, float], step: int, mode: str, *, warn: bool) -> bool:
+    """Makes examples with a NaN/inf gradient norm visible, before anything is released.
+
+    They are left out of the clipped sum either way (what clipping to norm 0
+    gives, which keeps the guarantee). ``mode="error"`` raises at the first;
+    ``"warn"`` warns (if ``warn``) and raises only when every example of the
+    step is non-finite (the update would be noise alone). ``metrics``:
+    :func:`summarize` as floats. Returns whether it warned.
+
+    Raises:
+        FloatingPointError: as above.
+    """
+    bad, real = int(metrics["nonfinite"]), int(metrics["batch_size"])
+    if not bad:
+        return False
+    what = (
+        f"step {step + 1}: {bad} of its {real} examples have a non-finite (NaN or inf) "
+        "gradient norm; they are left out of the sum (which keeps the privacy guarantee). "
+        "Likely causes: NaN or inf in the data, a loss that overflows (log of 0, a "
+        "learning rate too large for the model), or reduced precision out of range"
+    )
+    if mode == "error":
+        raise FloatingPointError(what + " (nonfinite='error').")
+    if bad == real:
+        raise FloatingPointError(
+            what + ": every example of the step; training on would move the parameters by "
+            "the noise alone."
+        )
+    if warn:
+        warnings.warn(
+            what + ". Later steps count them in the history's 'nonfinite'; this warning is "
+            "shown once; nonfinite='error' raises instead.",
+            RuntimeWarning,
+            stacklevel=6,
+        )
+    return warn
+
+
+class Collectives(NamedTuple):
+    """How the ranks of a data-parallel step combine their shares; the identity on one process.
+
+    Injected into :class:`TrainStep` (``dpfunc.distributed.make_train_step``
+    injects ``torch.distributed``'s), so one logical step serves one process
+    and many.
+    """
+
+    # reduce(summed, step) -> the clipped sum over all ranks (float64, bit-identical on each)
+    reduce: Callable[[Params, Any], Params]
+    # gather(stats, step) -> every rank's per-example stats, in rank order
+    gather: Callable[[ExampleStats, Any], ExampleStats]
+    # start(params) -> the initial parameters every rank starts from (rank 0's), settings checked
+    start: Callable[[Params], Params]
+    distributed: bool = False
+
+
+def _identity(value: Any, *_: Any) -> Any:
+    return value
+
+
+LOCAL = Collectives(reduce=_identity, gather=_identity, start=_identity)
+
+
 class TrainStep:
-    """A DP-SGD step; build it with :func:`make_train_step`."""
+    """A DP-SGD step; build it with :func:`make_train_step`.
+
+    ``config`` (a :class:`~dpfunc.DPConfig` with its noise multiplier
+    resolved) holds the privacy settings; ``model``, ``method`` and
+    ``chunk_size`` only change how fast the same sum is computed.
+    ``collectives`` (:class:`Collectives`) combine the ranks' shares of a
+    logical batch: :data:`LOCAL` on one process.
+    """
 
     def __init__(
         self,
         loss_fn: LossFn,
         optimizer: optim.GradientTransformation,
+        config: DPConfig | None = None,
         *,
-        clip_norm: float,
-        noise_multiplier: float,
-        expected_batch_size: float,
-        clipping: str = "flat",
-        chunk_size: int | None = None,
         model: nn.Module | None = None,
         method: str = "auto",
-        target_quantile: float | None = None,
-        quantile_learning_rate: float = 0.2,
-        count_noise_multiplier: float | None = None,
-        bands: int = 1,
+        chunk_size: int | None = None,
+        collectives: Collectives = LOCAL,
+        **settings: Any,
     ):
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
@@ -147,42 +217,11 @@ class TrainStep:
                 "optimizer must be an (init, update) pair such as dpfunc.optim.sgd(lr=0.1), "
                 f"got {type(optimizer).__name__}"
             )
-        check_number("clip_norm", clip_norm, low=0, low_open=True, note="(inf disables clipping)")
-        check_number("noise_multiplier", noise_multiplier, low=0, high_open=True)
-        if math.isinf(clip_norm) and noise_multiplier > 0:
-            raise ValueError(
-                "clip_norm=inf leaves the sensitivity unbounded, so noise cannot make the "
-                f"step private; use a finite clip_norm or noise_multiplier=0, got "
-                f"noise_multiplier={noise_multiplier!r}"
-            )
-        check_expected_batch_size(expected_batch_size)
-        check_choice("clipping", clipping, CLIPPING_MODES)
-        if clipping == "normalized" and math.isinf(clip_norm):
-            raise ValueError("clipping='normalized' needs a finite clip_norm, got clip_norm=inf")
+        config = config_from("TrainStep", config, settings)  # or its keyword form
+        self.noise_std = config.noise_std  # fails for a config not yet calibrated
         if chunk_size is not None:
             check_int("chunk_size", chunk_size, minimum=1)
         check_choice("method", method, METHODS)
-        if target_quantile is not None:
-            check_number("target_quantile", target_quantile, low=0, high=1, low_open=True,
-                         high_open=True)  # fmt: skip
-            check_number("quantile_learning_rate", quantile_learning_rate, low=0,
-                         low_open=True, high_open=True)  # fmt: skip
-            check_number("count_noise_multiplier", count_noise_multiplier, low=0,
-                         low_open=True, high_open=True)  # fmt: skip
-            if clipping != "flat" or math.isinf(clip_norm):
-                raise ValueError(
-                    "adaptive clipping (target_quantile) follows a quantile of the flat "
-                    "per-example norms from a finite starting clip_norm; it needs "
-                    f"clipping='flat', got clipping={clipping!r}, clip_norm={clip_norm!r}"
-                )
-        check_int("bands", bands, minimum=1)
-        if bands > 1 and target_quantile is not None:
-            raise ValueError(
-                "adaptive clipping (target_quantile) is not combined with correlated noise: "
-                "the amplification theorem for bands > 1 is stated for one fixed clip norm and "
-                "no other release; use target_quantile=None or bands=1, got "
-                f"target_quantile={target_quantile!r}, bands={bands!r}"
-            )
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
         if method == "ghost" and model is None:
@@ -192,31 +231,53 @@ class TrainStep:
             )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self.clip_norm = float(clip_norm)
-        self.noise_multiplier = float(noise_multiplier)
-        self.expected_batch_size = expected_batch_size
-        self.clipping = clipping
+        self.config = config
         self.chunk_size = chunk_size
         self.method = method
-        self.target_quantile = target_quantile
-        self.quantile_learning_rate = float(quantile_learning_rate)
-        self.count_noise_multiplier = (
-            None if count_noise_multiplier is None else float(count_noise_multiplier)
-        )
-        self.bands = bands
+        self.collectives = collectives
+        # read by the pieces below; all come from the frozen config
+        self.clip_norm = float(config.clip_norm)
+        self.noise_multiplier = float(config.noise_multiplier)
+        self.expected_batch_size = config.expected_batch_size
+        self.clipping = config.clipping
+        self.target_quantile = config.target_quantile
+        self.quantile_learning_rate = float(config.quantile_learning_rate)
+        self.count_noise_multiplier = config.count_noise_multiplier
+        self.bands = config.bands
         # the strategy C with unit column norm: noise_multiplier is the accountant's
-        self.coefficients = normalized_coefficients(bands)
+        self.coefficients = config.coefficients
         use_ghost = model is not None and method != "vmap"
         self._ghost = GhostClipper(model, loss_fn, method) if use_ghost else None
-        # sensitivity of the clipped sum is clip_norm in every mode
-        self.noise_std = 0.0 if noise_multiplier == 0 else self.noise_multiplier * self.clip_norm
+        self._accumulate, self._apply_reduced = self.accumulate, self.apply_reduced
+
+    @property
+    def distributed(self) -> bool:
+        """The step's collectives span a process group (``dpfunc.distributed``)."""
+        return self.collectives.distributed
 
     def init(self, params: Params) -> TrainState:
-        """The state before the first step; ``params`` are not copied or changed."""
+        """The state before the first step; ``params`` are not copied or changed.
+
+        Distributed: collective, every rank starts from rank 0's parameters
+        (copies) after the ranks' settings are checked to agree.
+        """
+        params = self.collectives.start(params)
         step = torch.zeros((), dtype=torch.int64)
         clip_norm = torch.tensor(self.clip_norm, dtype=torch.float64)
         history = init_noise_history(params, self.bands)
         return TrainState(params, self.optimizer.init(params), step, clip_norm, history)
+
+    def compile(self) -> TrainStep:
+        """Compiles the local pieces; returns ``self``.
+
+        :meth:`logical_step` and :meth:`apply` then run ``accumulate`` and
+        ``apply_reduced`` through ``torch.compile(fullgraph=True)``; the
+        collectives between them run eagerly. The results are the same as
+        eager ones.
+        """
+        self._accumulate = torch.compile(self.accumulate, fullgraph=True)
+        self._apply_reduced = torch.compile(self.apply_reduced, fullgraph=True)
+        return self
 
     def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
         """How each trainable parameter is clipped for batches shaped like ``batch``.
@@ -335,7 +396,44 @@ class TrainStep:
         """The count of unclipped examples in a logical batch: adaptive clipping's statistic."""
         return unclipped_count(stats.norm, state.clip_norm, stats.mask)
 
+    def all_reduce(self, summed: Params, *, step: int | Tensor | None = None) -> Params:
+        """The clipped sum of the whole logical batch: ``summed`` summed over ranks.
+
+        The identity on one process. Distributed, ``summed`` is the float64
+        running sum of :meth:`zeros` and :meth:`accumulate`, and the
+        reduction adds in float64, whose rounding the clip margin covers
+        (``dpfunc.clipping.ACCUMULATED_SUMS`` counts micro-batches and ranks
+        together). ``step`` only labels error messages.
+        """
+        return self.collectives.reduce(summed, step)
+
+    def gather_stats(
+        self, stats: ExampleStats, *, step: int | Tensor | None = None
+    ) -> ExampleStats:
+        """All ranks' per-example stats in rank order (this rank's on one process)."""
+        return self.collectives.gather(stats, step)
+
     def apply(
+        self,
+        state: TrainState,
+        summed: Params,
+        noise: Params,
+        count: Tensor | None = None,
+        count_noise: Tensor | None = None,
+    ) -> TrainState:
+        """Reduces this rank's clipped sum over the ranks, then :meth:`apply_reduced`.
+
+        On one process the reduction is the identity. Distributed,
+        ``summed`` is THIS rank's clipped sum of its share, ``noise`` the
+        same on every rank (same seed and step), and ``count`` (adaptive
+        clipping) the whole logical batch's.
+        """
+        check_same_structure(noise, state.params, "noise", "params")
+        check_same_structure(summed, state.params, "summed", "params")
+        reduced = self.all_reduce(summed, step=state.step)
+        return self._apply_reduced(state, reduced, noise, count, count_noise)
+
+    def apply_reduced(
         self,
         state: TrainState,
         summed: Params,
@@ -345,6 +443,8 @@ class TrainStep:
     ) -> TrainState:
         """Noises the logical batch's clipped sum once, averages, and updates.
 
+        ``summed`` is the whole logical batch's (already reduced over the
+        ranks); no collective, so it compiles with ``fullgraph=True``.
         With ``bands > 1`` the noise added is the correlated draw
         :func:`~dpfunc.matrix_factorization.correlated_noise` makes from
         ``noise`` and ``state.noise_history`` (the banded square root,
@@ -392,6 +492,75 @@ class TrainStep:
         params = optim.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1, clip_norm, history)
 
+    def draw_noise(
+        self, params: Params, *, seed: int, step: int, secure: bool | None = None
+    ) -> StepNoise:
+        """Step ``step``'s standard-normal draws: the tree and, if adaptive, the count's.
+
+        A function of ``(seed, step)`` and the parameters' shapes only, never
+        of the data, so it may be drawn ahead (the Trainer does, on a worker
+        thread). The count's comes from its own stream (``stream="count"``).
+        ``secure=None`` follows ``config.secure_noise``.
+        """
+        secure = self.config.secure_noise if secure is None else secure
+        noise = standard_normal_like(params, seed=seed, step=step, secure=secure)
+        if not self.adaptive:
+            return StepNoise(noise, None)
+        zero = {"count": torch.zeros((), dtype=torch.float64)}
+        count = standard_normal_like(zero, seed=seed, step=step, secure=secure, stream="count")
+        return StepNoise(noise, count["count"])
+
+    def logical_step(
+        self,
+        state: TrainState,
+        micro_batches: Iterable[tuple[PyTree, Tensor]],
+        noise: StepNoise,
+        *,
+        before_release: Callable[[ExampleStats], None] | None = None,
+    ) -> tuple[TrainState, ExampleStats]:
+        """One private step on a logical batch held in any number of micro-batches.
+
+        The one place where a logical step is written: each micro-batch's
+        clipped sum is accumulated in float64 (:meth:`accumulate`), the
+        per-example stats are gathered over the ranks, ``before_release(stats)``
+        runs (the Trainer checks non-finite examples and records the step
+        with the accountant there: accounted before its release), and
+        :meth:`apply` reduces the sum over the ranks and adds the noise once
+        (adaptive clipping's count, of the whole logical batch, with
+        ``noise.count``); the collectives are identities on one process. It
+        calls the public :meth:`accumulate` and :meth:`apply`, so a subclass
+        that changes them (an audit's deliberately broken step) is run as
+        written. An empty
+        logical batch is a step too: its sum is zero and its noise is added.
+        Uses the compiled pieces after :meth:`compile`.
+
+        Args:
+            state: the state before the step (identical on every rank).
+            micro_batches: ``(batch, mask)`` pairs, this rank's share
+                (``PoissonBatches.logical_batch(t)[0]``).
+            noise: :meth:`draw_noise` for this step (the same on every rank).
+            before_release: called with the whole logical batch's stats
+                after the sums and before anything is released; raising
+                there releases nothing.
+
+        Returns:
+            The new state and the whole logical batch's per-example stats
+            (:func:`summarize` them; NOT private).
+        """
+        adaptive = (state.clip_norm,) if self.adaptive else ()  # the clip norm it follows
+        summed, stats = self.zeros(state.params), []
+        for batch, mask in micro_batches:
+            summed, part = self._accumulate(summed, state.params, batch, mask, *adaptive)
+            stats.append(part)
+        stats = ExampleStats.cat(stats) if stats else _no_stats(state.params)
+        stats = self.gather_stats(stats, step=state.step)  # this rank's share -> the whole
+        if before_release is not None:
+            before_release(stats)
+        if adaptive:  # the whole logical batch's count, noised once from its own stream
+            count = self.unclipped_count(state, stats)
+            return self.apply(state, summed, noise.params, count, noise.count), stats
+        return self.apply(state, summed, noise.params), stats  # reduced over the ranks
+
     def __call__(
         self,
         state: TrainState,
@@ -400,54 +569,105 @@ class TrainStep:
         noise: Params,
         count_noise: Tensor | None = None,
     ) -> tuple[TrainState, dict[str, Tensor]]:
-        """One private step on a logical batch held in one micro-batch.
+        """One private step on a logical batch held in one micro-batch (each rank's share).
 
         The same as ``zeros``, one ``accumulate`` and ``apply``: the sum is
-        float64 before the noise.
+        float64 before the noise. Distributed, the metrics and adaptive
+        clipping's count cover the whole logical batch (all ranks' stats).
+        Pure on one process; ``torch.compile(step, fullgraph=True)`` compiles it.
         """
         check_same_structure(noise, state.params, "noise", "params")
         clip_norm = state.clip_norm if self.adaptive else None
         summed, stats = self.accumulate(
             self.zeros(state.params), state.params, batch, mask, clip_norm
         )
+        stats = self.gather_stats(stats, step=state.step)
         count = self.unclipped_count(state, stats) if self.adaptive else None
         return self.apply(state, summed, noise, count, count_noise), summarize(stats)
+
+
+class StepNoise(NamedTuple):
+    """One step's standard-normal draws (data-independent)."""
+
+    params: Params  # like the parameters
+    count: Tensor | None  # shape (), float64: adaptive clipping's count; None otherwise
+
+
+class NoiseAhead:
+    """Draws a step's noise, and the next step's on a worker thread meanwhile.
+
+    :meth:`TrainStep.draw_noise` depends only on ``(seed, step)`` and the
+    parameters' shapes, never on the data, so drawing step ``t + 1``'s
+    while step ``t`` computes changes no bit of the result.
+    """
+
+    _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfunc-noise")
+
+    def __init__(self, step: TrainStep):
+        self.step = step
+        self._ahead: tuple[tuple[int, int], Future] | None = None
+
+    def draw(self, params: Params, seed: int, t: int, *, ahead: bool) -> StepNoise:
+        """Step ``t``'s draws; with ``ahead``, starts step ``t + 1``'s."""
+        waiting, self._ahead = self._ahead, None
+        if waiting is not None and waiting[0] == (seed, t):
+            noise = waiting[1].result()
+        else:
+            noise = self.step.draw_noise(params, seed=seed, step=t)
+        if ahead:
+            future = self._worker.submit(self.step.draw_noise, params, seed=seed, step=t + 1)
+            self._ahead = ((seed, t + 1), future)
+        return noise
+
+
+def _no_stats(params: Params) -> ExampleStats:
+    dtype = next(iter(params.values())).dtype
+    empty = torch.zeros(0, dtype=dtype)
+    flags = torch.zeros(0, dtype=torch.bool)
+    return ExampleStats(empty, empty.to(torch.float64), flags, flags)
 
 
 def make_train_step(
     loss_fn: LossFn,
     optimizer: optim.GradientTransformation,
+    config: DPConfig | None = None,
     *,
-    clip_norm: float,
-    noise_multiplier: float,
-    expected_batch_size: float,
-    clipping: str = "flat",
-    chunk_size: int | None = None,
     model: nn.Module | None = None,
     method: str = "auto",
-    target_quantile: float | None = None,
-    quantile_learning_rate: float = 0.2,
-    count_noise_multiplier: float | None = None,
-    bands: int = 1,
+    chunk_size: int | None = None,
+    **settings: Any,
 ) -> TrainStep:
     """Builds the DP-SGD step (Abadi et al. 2016).
 
     Args:
         loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
         optimizer: a :mod:`dpfunc.optim` transformation, e.g. ``optim.adam(1e-3)``.
-        clip_norm: ``C``, the bound on each example's contribution (flat L2
-            norm of its gradient); ``inf`` disables clipping (only with
-            ``noise_multiplier=0``: no privacy).
-        noise_multiplier: ``sigma``; the noise std is ``sigma * C``. ``0``
-            adds no noise (no privacy).
-        expected_batch_size: ``sample_rate * num_examples``, the denominator
-            of the average. Never the realised batch size.
-        clipping: ``"flat"`` (all parameters together), ``"per_layer"``
-            (each module's parameters bounded by ``C / sqrt(num_modules)``,
-            McMahan et al. 2018) or ``"normalized"`` (automatic clipping,
-            Bu et al. 2022, factor ``C / (norm + 0.01)``). Each bounds an
-            example's whole contribution by ``C``.
-        chunk_size: passed to :func:`per_sample_grads` to bound memory.
+        config: the privacy settings, a :class:`~dpfunc.DPConfig` with a
+            ``noise_multiplier`` (or ``config.calibrated(num_examples)``):
+            ``clip_norm`` ``C`` (``inf`` disables clipping, only with
+            ``noise_multiplier=0``: no privacy), ``noise_multiplier`` ``sigma``
+            (noise std ``sigma * C``), ``expected_batch_size`` (the
+            denominator of the average, never the realised batch size),
+            ``clipping``: ``"flat"`` (all parameters together),
+            ``"per_layer"`` (each module's parameters bounded by ``C /
+            sqrt(num_modules)``, McMahan et al. 2018) or ``"normalized"``
+            (automatic clipping, Bu et al. 2022, factor ``C / (norm +
+            0.01)``), each bounding an example's whole contribution by ``C``;
+            ``target_quantile`` (adaptive clipping, Andrew et al. 2021:
+            ``state.clip_norm`` starts at ``clip_norm`` and after each step
+            moves by ``exp(-quantile_learning_rate * (noisy_count /
+            expected_batch_size - gamma))``, where ``noisy_count`` is the
+            logical batch's count of unclipped examples plus
+            ``count_noise_multiplier`` times a standard normal, passed as
+            ``count_noise``; accounted with
+            :func:`dpfunc.accounting.combined_noise_multiplier`); ``bands``
+            (``b > 1``: correlated noise, the banded square root
+            factorization, DP-BandMF, Kalinin and Lampert 2024: step ``t``
+            adds ``sigma * C * w_t`` with ``w = C^{-1} z`` for the strategy
+            normalised to unit column norm, keeping the last ``b - 1`` draws
+            in ``state.noise_history``; needs cyclic Poisson sampling,
+            ``config.sampler``, and ``expected_batch_size = sample_rate *
+            num_examples / b``).
         model: the ``nn.Module`` that ``loss_fn`` calls through
             ``torch.func.functional_call``; enables ghost clipping. dpfunc
             registers forward hooks on its covered submodules (inert outside
@@ -475,29 +695,10 @@ def make_train_step(
             back to vmap; a ``UserWarning`` names the reasons once per step.
             All three clipping modes are supported and the result equals the
             vmap path's.
-        target_quantile: ``None`` (fixed clipping) or ``gamma`` in (0, 1):
-            adaptive clipping (Andrew et al. 2021). ``state.clip_norm`` starts
-            at ``clip_norm`` and after each step moves by
-            ``exp(-quantile_learning_rate * (noisy_count / expected_batch_size
-            - gamma))``, where ``noisy_count`` is the logical batch's count of
-            unclipped examples plus ``count_noise_multiplier`` times a standard
-            normal (pass ``count_noise`` to ``step`` / ``apply``). Flat clipping
-            only. The pair of releases is accounted as one Gaussian mechanism
-            with :func:`dpfunc.accounting.combined_noise_multiplier`.
-        quantile_learning_rate: ``eta > 0`` of the geometric update.
-        count_noise_multiplier: the standard deviation of the count's noise
-            (its sensitivity is 1); required with ``target_quantile``.
-        bands: ``1`` (default): DP-SGD, independent noise every step.
-            ``b > 1``: correlated noise, the banded square root
-            factorization with ``b`` bands (DP-BandMF; Kalinin and Lampert
-            2024; see :mod:`dpfunc.matrix_factorization`): step ``t`` adds
-            ``noise_multiplier * clip_norm * w_t`` with ``w = C^{-1} z`` for
-            the strategy ``C`` normalised to unit column norm, keeping the
-            last ``b - 1`` draws in ``state.noise_history`` (``b - 1`` extra
-            copies of the parameters). Its privacy needs cyclic Poisson
-            sampling (``PoissonBatches(..., bands=b)``) and is accounted with
-            ``dpfunc.accounting`` ``bands=b``; ``expected_batch_size`` is then
-            ``sample_rate * num_examples / b``. Not with ``target_quantile``.
+        chunk_size: passed to :func:`per_sample_grads` to bound memory.
+        **settings: the keyword form: ``DPConfig``'s fields
+            (``clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=256,
+            ...``) instead of ``config``.
 
     Returns:
         A :class:`TrainStep` ``step`` with ``step.init(params) -> state`` and
@@ -505,31 +706,20 @@ def make_train_step(
         ``mask[B]`` marks real rows (0 for padding), ``noise`` is
         ``dpfunc.standard_normal_like(params, seed, step)``, and
         ``metrics`` is :func:`summarize` (not private). For a logical batch
-        split into micro-batches use ``step.zeros``, ``step.accumulate`` and
-        ``step.apply``. ``torch.compile(step, fullgraph=True)`` compiles one
-        graph that serves every step of a fixed batch shape.
+        split into micro-batches use :meth:`TrainStep.logical_step`, or
+        ``step.zeros``, ``step.accumulate`` and ``step.apply``.
+        ``torch.compile(step, fullgraph=True)`` compiles one graph that
+        serves every step of a fixed batch shape.
 
     Raises:
-        ValueError: ``clip_norm <= 0``, ``noise_multiplier < 0``,
-            ``expected_batch_size <= 0``, an unknown ``clipping`` or
-            ``method``, ``method="ghost"`` without ``model``, or
-            ``clip_norm=inf`` with noise; at call time, a batch, mask or
-            noise tree that does not match, or a non-scalar loss.
-        TypeError: ``optimizer`` is not an (init, update) pair, or ``model``
-            is not an ``nn.Module``.
+        ValueError: a privacy setting is invalid (see :class:`DPConfig`), a
+            config with ``target_epsilon`` not yet calibrated, an unknown
+            ``method``, ``method="ghost"`` without ``model``; at call time,
+            a batch, mask or noise tree that does not match, or a non-scalar
+            loss.
+        TypeError: ``optimizer`` is not an (init, update) pair, ``model`` is
+            not an ``nn.Module``, both ``config`` and keyword settings, or an
+            unknown keyword.
     """
-    return TrainStep(
-        loss_fn,
-        optimizer,
-        clip_norm=clip_norm,
-        noise_multiplier=noise_multiplier,
-        expected_batch_size=expected_batch_size,
-        clipping=clipping,
-        chunk_size=chunk_size,
-        model=model,
-        method=method,
-        target_quantile=target_quantile,
-        quantile_learning_rate=quantile_learning_rate,
-        count_noise_multiplier=count_noise_multiplier,
-        bands=bands,
-    )
+    config = config_from("make_train_step", config, settings)
+    return TrainStep(loss_fn, optimizer, config, model=model, method=method, chunk_size=chunk_size)

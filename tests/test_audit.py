@@ -371,3 +371,36 @@ def test_adaptive_clipping_trainer_audits_below_its_epsilon():
     scores = audit.canary_scores(train, canary, 8, keep_size=True)
     bound = epsilon_lower_bound(scores.scores_in, scores.scores_out, delta=DELTA)
     assert len(set(claims)) == 1 and bound <= claims[0]
+
+
+def test_train_with_step_runs_the_trainers_logical_step_with_adaptive_clipping():
+    """The audit's loop is the Trainer's: same secret, same adaptive clip norms and noisy
+    counts, several micro-batches per step, bit-identical parameters."""
+    torch.manual_seed(0)
+    x, y = torch.randn(40, 3), torch.randn(40)
+    params = {"w": torch.zeros(3), "b": torch.zeros(())}
+
+    def loss_fn(p, example):
+        features, target = example
+        return (features @ p["w"] + p["b"] - target) ** 2
+
+    settings = dict(
+        clip_norm=0.5,
+        noise_multiplier=0.8,
+        expected_batch_size=10,
+        target_quantile=0.5,
+        count_noise_multiplier=2.0,
+    )
+    trainer = dpfunc.Trainer(
+        loss_fn, params, (x, y), optimizer=optim.sgd(lr=0.1), epochs=2, seed=1234,
+        physical_batch_size=4, progress=False, **settings,
+    )  # fmt: skip
+    trainer.fit()
+    step = dpfunc.make_train_step(loss_fn, optim.sgd(lr=0.1), **settings)
+    audited = audit.train_with_step(
+        step, params, (x, y), steps=trainer.steps_done, sample_rate=10 / 40,
+        physical_batch_size=4, seed=1234,
+    )  # fmt: skip
+    assert trainer.clip_norm != 0.5  # the clip norm moved: the count was released
+    for name in params:
+        assert torch.equal(audited[name], trainer.params[name]), name

@@ -76,7 +76,7 @@ def test_calibration_is_not_run_for_an_infinite_clip_norm(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("calibrated before the arguments were checked")
 
-    monkeypatch.setattr(dpfunc.trainer, "calibrate_noise_multiplier", fail)
+    monkeypatch.setattr(dpfunc.config, "calibrate_noise_multiplier", fail)
     with pytest.raises(ValueError, match="clip_norm=inf"):
         make(clip_norm=math.inf, noise_multiplier=None, target_epsilon=1.0)
 

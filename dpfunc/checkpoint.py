@@ -1,0 +1,274 @@
+"""Checkpoints of a :class:`dpfunc.Trainer`: save, load, and what makes one resumable.
+
+A checkpoint holds the parameters, the optimizer state, the accountant's
+history, the step count (which fixes the sampler and noise streams), the
+run's privacy settings, the history and the secret seed, so that a resumed
+run ends bit-identical to an uninterrupted one. **A checkpoint is as
+sensitive as the training data**: with the seed, anyone can remove the noise
+from every update it saw. Store it where the data is stored, never next to
+the released model.
+
+Loading refuses, naming every difference, a checkpoint written with other
+privacy settings, data size or parameter shapes (its accounting holds only
+for its own); a version-1 checkpoint (keyed with a public default seed); and
+a seed other than the trainer's, except that a trainer built with
+``seed=None`` adopts a checkpoint's seed if that seed was itself a drawn
+secret (a fixed one is refused: a run resumed from it would not be private).
+
+Distributed, :func:`save` and :func:`load` are collective: rank 0 writes,
+every rank reads the same file, and all ranks raise together on a failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Any
+
+import optree
+import torch
+
+from . import distributed as _distributed
+from .accounting import Accountant
+
+__all__ = ["VERSION", "check_path", "load", "save", "settings"]
+
+VERSION = 2  # 2: the secret seed and the noise kind
+
+
+def check_path(path: Any) -> None:
+    """Fails now, not at the first save, if checkpoints cannot be written at ``path``."""
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(
+            f"checkpoint_path must be a str or os.PathLike, got checkpoint_path={path!r}"
+        )
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"checkpoint_path must name a file, got the directory {os.fspath(path)!r}")
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"checkpoint_path={os.fspath(path)!r} is in a directory that does not exist; create "
+            f"{directory!r} first"
+        )
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"checkpoint_path={os.fspath(path)!r} is in a directory this process cannot write"
+        )
+
+
+def settings(trainer: Any) -> dict[str, Any]:
+    """The settings a resumed run must share with the saved one (the seed is compared apart)."""
+    config = trainer.config
+    return {
+        "num_examples": trainer.num_examples,
+        "expected_batch_size": float(config.expected_batch_size),
+        "sample_rate": trainer.sample_rate,
+        "noise_multiplier": float(config.noise_multiplier),
+        "clip_norm": float(config.clip_norm),
+        "clipping": config.clipping,
+        "target_quantile": config.target_quantile,
+        "quantile_learning_rate": float(config.quantile_learning_rate),
+        "count_noise_multiplier": config.count_noise_multiplier,
+        "bands": config.bands,
+        "seed": trainer.seed,
+        "secure_noise": config.secure_noise,
+        "accounting": config.accounting,
+        "delta": config.delta,
+        "physical_batch_size": trainer.batches.physical_batch_size,
+    }
+
+
+def save(trainer: Any, path: str | os.PathLike) -> None:
+    """Writes ``trainer``'s checkpoint atomically: a temporary file, then a rename.
+
+    Distributed: collective, call it on every rank. Rank 0 writes (the
+    ranks' states are identical); then all ranks wait until the file is
+    complete, and all raise if rank 0 failed to write it.
+    """
+    if not trainer.distributed:
+        _write(trainer, path)
+        return
+    error = None
+    if trainer.rank == 0:
+        try:
+            _write(trainer, path)
+        except Exception as caught:
+            error = caught
+    flags = _distributed.gather_flags(
+        error is None,
+        f"the barrier after rank 0 saved checkpoint {os.fspath(path)!r}",
+        step=trainer.steps_done,
+    )
+    if error is not None:
+        raise error
+    if not flags[0]:
+        raise RuntimeError(f"rank 0 failed to write checkpoint {os.fspath(path)!r}; see its log")
+
+
+def _write(trainer: Any, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    checkpoint = {
+        "version": VERSION,
+        "config": settings(trainer),
+        "state": optree.tree_leaves(trainer.state),
+        "accountant": trainer.accountant.state_dict(),
+        "history": trainer.history,
+        "seed_secret": trainer.seed_is_secret,
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, tmp = tempfile.mkstemp(dir=directory, prefix=".dpfunc-", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def load(trainer: Any, path: str | os.PathLike) -> None:
+    """Restores a checkpoint written by :func:`save` of an identically set-up run.
+
+    Distributed: collective, call it on every rank; every rank reads the
+    same file (so ``path`` must be on storage all ranks see), and all ranks
+    raise if any rank could not load it or the ranks read different files.
+    A checkpoint may be resumed with another number of ranks: the logical
+    batches and the noise do not depend on it (the sums then differ only in
+    float rounding).
+
+    Raises:
+        ValueError: the file is unreadable or corrupted, or it was written by
+            a run with other privacy settings, data size or parameter shapes;
+            distributed, also when another rank failed to load it or read a
+            different file. The trainer is left unchanged.
+    """
+    if not trainer.distributed:
+        trainer.restore(*_read(trainer, path))
+        return
+    error = loaded = None
+    try:
+        loaded = _read(trainer, path)
+    except ValueError as caught:
+        error = caught
+    flags = _distributed.gather_flags(
+        error is None, f"the check that every rank loaded checkpoint {os.fspath(path)!r}"
+    )
+    if error is not None:
+        raise error
+    if not all(flags):
+        failed = [r for r, ok in enumerate(flags) if not ok]
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} could not be loaded on ranks {failed} (see "
+            "their logs); this rank is left unchanged"
+        )
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    _distributed.check_same_across_ranks(
+        {"steps": loaded[1].steps, "sha256": digest},
+        f"checkpoint {os.fspath(path)!r} as read by each rank",
+    )
+    trainer.restore(*loaded)
+
+
+def _read(trainer: Any, path: str | os.PathLike) -> tuple[Any, Accountant, list, int]:
+    """Reads and validates a checkpoint; changes nothing.
+
+    Raises ValueError for every kind of bad file, so that in a distributed
+    run every rank reaches the collective that compares the outcomes.
+    """
+    try:
+        checkpoint = torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as error:  # torch raises many types for a bad file
+        raise ValueError(f"checkpoint {os.fspath(path)!r} is unreadable: {error}") from error
+    try:
+        _check_seed(trainer, path, checkpoint)
+        _check_settings(trainer, path, checkpoint["config"])
+        return _state(trainer, path, checkpoint)
+    except ValueError:
+        raise
+    except Exception as error:  # missing keys, wrong types: a malformed checkpoint
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} is malformed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _check_seed(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> None:
+    version = checkpoint.get("version") if isinstance(checkpoint, dict) else None
+    if version == 1:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} was written by an earlier dpfunc (checkpoint "
+            "version 1), whose Trainer keyed its noise and batches with a public default "
+            "(seed=0, public) unless given another seed: whoever knows it can remove the "
+            "noise of that run, and this version draws noise and batches differently, so it "
+            "cannot be resumed bit-identically. Start a new run."
+        )
+    if version != VERSION:
+        raise ValueError(f"{os.fspath(path)!r} is not a dpfunc checkpoint (version {VERSION})")
+    seed, secret = checkpoint["config"]["seed"], checkpoint["seed_secret"]
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ValueError(f"checkpoint {os.fspath(path)!r} holds no valid seed")
+    if not isinstance(secret, bool):
+        raise ValueError(f"checkpoint {os.fspath(path)!r} holds no valid seed_secret flag")
+    if seed != trainer.seed and not trainer.adopts_seed:
+        raise ValueError(  # neither seed is printed: both are secrets
+            f"checkpoint {os.fspath(path)!r} was written with another seed than the one "
+            "this trainer was given; build the trainer with seed=None to resume it"
+        )
+    if seed != trainer.seed and not secret:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} was written with a fixed seed, which is not a "
+            "secret: a run resumed from it is not private, whoever knows the seed can remove "
+            "its noise. To continue it as the reproducible run it is, build the trainer with "
+            "that seed; for a private run, start anew with seed=None."
+        )
+
+
+def _check_settings(trainer: Any, path: str | os.PathLike, saved: dict[str, Any]) -> None:
+    differences = [
+        f"{key}={_saved_setting(saved, key, value)!r} (this trainer: {value!r})"
+        for key, value in settings(trainer).items()
+        if key != "seed" and _saved_setting(saved, key, value) != value
+    ]
+    if differences:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} belongs to a run with other settings, and its "
+            "accounting holds only for its own; it was written with " + ", ".join(differences)
+        )
+
+
+def _state(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> tuple:
+    spec = optree.tree_structure(trainer.state)
+    leaves, current = checkpoint["state"], optree.tree_leaves(trainer.state)
+    if len(leaves) != len(current) or any(
+        not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype
+        for a, b in zip(leaves, current)
+    ):
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} holds a state whose tensors do not match "
+            "this trainer's parameters and optimizer"
+        )
+    accountant = trainer.config.accountant()
+    accountant.load_state_dict(checkpoint["accountant"])
+    leaves = [a.to(b.device) for a, b in zip(leaves, current)]  # each rank's own device
+    state = optree.tree_unflatten(spec, leaves)
+    if int(state.step) != accountant.steps:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} is inconsistent: {int(state.step)} optimizer "
+            f"steps but {accountant.steps} accounted steps"
+        )
+    return state, accountant, list(checkpoint["history"]), checkpoint["config"]["seed"]
+
+
+def _saved_setting(saved: dict[str, Any], key: str, ours: Any) -> Any:
+    """A checkpoint's setting; those added later have the value the earlier runs had."""
+    if key in saved:
+        return saved[key]
+    if key == "bands":  # before correlated noise: DP-SGD
+        return 1
+    if key == "expected_batch_size":  # implied by the sample rate, which is compared
+        return ours
+    return None
