@@ -56,6 +56,7 @@ import contextlib
 import functools
 import logging
 import math
+from collections.abc import Callable
 from typing import Any
 
 import dp_accounting
@@ -285,6 +286,46 @@ def epsilon(
     return _history_epsilon([(sigma, rate, rounds)], delta, method)
 
 
+def _bracket(
+    eps: Callable[[float], float],
+    target: float,
+    guess: float,
+    factor: float,
+    out_of_range: Callable[[], ValueError],
+) -> tuple[float, float, float, float]:
+    """``(lo, eps(lo), hi, eps(hi))`` with ``eps(lo) > target >= eps(hi)``.
+
+    Steps away from ``guess`` by ``factor``, squaring the factor after each
+    step that does not bracket the target (``eps`` decreases in sigma).
+
+    Raises:
+        ValueError: ``out_of_range()``, when the bracket would leave
+            ``[_SIGMA_MIN, _SIGMA_MAX]``.
+    """
+    e_guess = eps(guess)
+    if e_guess <= target:
+        hi, e_hi = guess, e_guess
+        lo, e_lo = hi / factor, eps(hi / factor)
+        while e_lo <= target:
+            factor *= factor
+            hi, e_hi = lo, e_lo
+            lo = hi / factor
+            if lo < _SIGMA_MIN:
+                raise out_of_range()
+            e_lo = eps(lo)
+    else:
+        lo, e_lo = guess, e_guess
+        hi, e_hi = lo * factor, eps(lo * factor)
+        while e_hi > target:
+            factor *= factor
+            lo, e_lo = hi, e_hi
+            hi = lo * factor
+            if hi > _SIGMA_MAX:
+                raise out_of_range()
+            e_hi = eps(hi)
+    return lo, e_lo, hi, e_hi
+
+
 def calibrate_noise_multiplier(
     target_epsilon: float,
     delta: float,
@@ -364,28 +405,7 @@ def calibrate_noise_multiplier(
             guess = calibrate_noise_multiplier(target, delta, rate, steps, "rdp", bands=bands)
             factor = 1.1
 
-    # Bracket: eps(lo) > target >= eps(hi), growing the step geometrically.
-    e_guess = eps(guess)
-    if e_guess <= target:
-        hi, e_hi = guess, e_guess
-        lo, e_lo = hi / factor, eps(hi / factor)
-        while e_lo <= target:
-            factor *= factor
-            hi, e_hi = lo, e_lo
-            lo = hi / factor
-            if lo < _SIGMA_MIN:
-                raise out_of_range()
-            e_lo = eps(lo)
-    else:
-        lo, e_lo = guess, e_guess
-        hi, e_hi = lo * factor, eps(lo * factor)
-        while e_hi > target:
-            factor *= factor
-            lo, e_lo = hi, e_hi
-            hi = lo * factor
-            if hi > _SIGMA_MAX:
-                raise out_of_range()
-            e_hi = eps(hi)
+    lo, e_lo, hi, e_hi = _bracket(eps, target, guess, factor, out_of_range)
 
     def probe(sigma: float) -> None:
         nonlocal lo, e_lo, hi, e_hi

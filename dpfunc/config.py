@@ -41,13 +41,13 @@ from typing import Any, NamedTuple
 
 from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
 from .checks import check_choice, check_int, check_number
+from .clipping import CLIPPING_MODES
 from .data import PoissonBatches, as_dataset, dataset_size
 from .matrix_factorization import normalized_coefficients
 from .noise import check_expected_batch_size
 
 __all__ = ["CLIPPING_MODES", "AccountingEvent", "DPConfig", "config_from"]
 
-CLIPPING_MODES = ("flat", "per_layer", "normalized")
 ACCOUNTING = ("pld", "rdp")
 
 
