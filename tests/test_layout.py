@@ -1,8 +1,11 @@
-"""The package's layout: no module imports another in a circle, and ghost internals stay inside.
+"""The package's layout: no module imports another in a circle, ghost internals stay inside,
+and the size limits a reader relies on hold.
 
 The import graph is read from the source (every ``import`` and ``from ... import``
 statement, also inside functions and ``if TYPE_CHECKING:`` blocks), so a circle
-that Python happens to tolerate at import time still counts.
+that Python happens to tolerate at import time still counts. The size limits are
+read from the source too (``ast``): ``dpfunc/trainer.py`` under 400 lines, no
+function body over 80 lines, no public function with more than 14 parameters.
 """
 
 import ast
@@ -97,3 +100,123 @@ def test_only_the_ghost_package_imports_its_internals():
         if not name.startswith("dpfunc.ghost")
     }
     assert not {name: ts for name, ts in reaching_in.items() if ts}
+
+
+# -- size limits ---------------------------------------------------------------------------
+
+TRAINER_MAX_LINES = 399  # under 400
+BODY_MAX_LINES = 80
+PUBLIC_MAX_PARAMETERS = 14
+FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
+
+
+def body_lines(function: FunctionNode) -> int:
+    """Lines from the first statement after the docstring to the function's last line.
+
+    The signature, decorators and docstring do not count; nested functions and
+    comments between statements do (they are read as part of the body).
+    """
+    body = function.body
+    first = body[0]
+    if len(body) > 1 and isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+        body = body[1:] if isinstance(first.value.value, str) else body  # the docstring
+    return function.end_lineno - body[0].lineno + 1
+
+
+def parameter_count(function: FunctionNode) -> int:
+    """Positional, keyword-only, ``*args``, ``**kwargs``: one each; ``self`` and ``cls``: none."""
+    arguments = function.args
+    names = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+    names += [a.arg for a in (arguments.vararg, arguments.kwarg) if a is not None]
+    return len([name for name in names if name not in ("self", "cls")])
+
+
+def functions(tree: ast.Module):
+    """``(qualified name, node, public)`` for every function in ``tree``, nested ones included.
+
+    Public: a module-level function or a method of a module-level class whose
+    names do not start with ``_``; a public class's ``__init__`` and ``__call__``
+    are public too (their parameters are the class's call signature). Functions
+    nested in functions are not.
+    """
+
+    def visit(node, prefix, public_scope):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                public = public_scope and not child.name.startswith("_")
+                yield from visit(child, f"{prefix}{child.name}.", public)
+            elif isinstance(child, FunctionNode):
+                in_class = isinstance(node, ast.ClassDef)
+                named = not child.name.startswith("_") or (
+                    in_class and child.name in ("__init__", "__call__")
+                )
+                yield f"{prefix}{child.name}", child, public_scope and named
+                yield from visit(child, f"{prefix}{child.name}.", False)
+
+    yield from visit(tree, "", True)
+
+
+FUNCTIONS = [
+    (f"{name}.{qualified}", node, public)
+    for name, path in MODULES.items()
+    for qualified, node, public in functions(ast.parse(path.read_text(), str(path)))
+]
+
+
+def test_the_size_measures_read_the_source_as_described():
+    source = '''
+def f(a, /, b, *args, c, d=1, **kwargs):
+    """Docstring
+    of three lines.
+    """
+    x = 1
+
+    def _g(self):
+        return x
+
+    return _g
+
+
+class A:
+    def __init__(self, a):
+        pass
+
+    def run(cls, a, b):
+        return a
+
+    def _helper(self, a):
+        pass
+
+
+class _B:
+    def run(self):
+        pass
+'''
+    found = {name: node for name, node, _ in functions(ast.parse(source))}
+    public = sorted(name for name, _, is_public in functions(ast.parse(source)) if is_public)
+    assert public == ["A.__init__", "A.run", "f"]
+    assert "f._g" in found and "_B.run" in found
+    assert body_lines(found["f"]) == 6  # from ``x = 1`` to ``return _g``
+    assert body_lines(found["f._g"]) == 1
+    assert parameter_count(found["f"]) == 6
+    assert parameter_count(found["f._g"]) == 0
+    assert parameter_count(found["A.run"]) == 2
+
+
+def test_the_trainer_module_is_under_400_lines():
+    lines = len((PACKAGE / "trainer.py").read_text().splitlines())
+    assert lines <= TRAINER_MAX_LINES, f"dpfunc/trainer.py has {lines} lines"
+
+
+def test_no_function_body_is_over_80_lines():
+    """Every function, method and nested function, counted as :func:`body_lines` says."""
+    long = {name: body_lines(node) for name, node, _ in FUNCTIONS}
+    assert {name: n for name, n in long.items() if n > BODY_MAX_LINES} == {}
+    assert max(long.values()) > 20  # the measure sees the package's functions
+
+
+def test_no_public_function_has_more_than_14_parameters():
+    counts = {name: parameter_count(node) for name, node, public in FUNCTIONS if public}
+    assert {name: n for name, n in counts.items() if n > PUBLIC_MAX_PARAMETERS} == {}
+    assert "dpfunc.trainer.Trainer.__init__" in counts
+    assert "dpfunc.step.make_train_step" in counts

@@ -1,0 +1,341 @@
+"""dpfunc.DPConfig: frozen, validated once, the one source of the step, sampler and accountant.
+
+The Trainers here use a fixed seed so that two runs can be compared bit for
+bit; it is public, as the data is: a fixed seed is for tests and research only.
+"""
+
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import dpfunc
+from dpfunc import accounting
+from dpfunc.accounting import combined_noise_multiplier
+from dpfunc.data import PoissonBatches
+from dpfunc.step import LOCAL, TrainStep
+from dpfunc.tree import tree_leaves
+
+SEED = 1234  # public: these runs are compared, not private
+N = 120
+BASE = {"clip_norm": 1.0, "expected_batch_size": 20, "noise_multiplier": 1.0}
+
+
+def config(**overrides):
+    return dpfunc.DPConfig(**{**BASE, **overrides})
+
+
+def problem(n=N):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    params, buffers = dpfunc.functionalize(model)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 4, generator=g)
+    y = (x[:, 0] > 0).long()
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (xi.unsqueeze(0),)), yi[None])
+
+    return loss_fn, params, (x, y)
+
+
+def trainer(config=None, **keywords):
+    loss_fn, params, dataset = problem()
+    settings = {"config": config} if config is not None else {}
+    return dpfunc.Trainer(
+        loss_fn, params, dataset, optimizer=dpfunc.optim.sgd(lr=0.5, momentum=0.5),
+        physical_batch_size=16, progress=False, seed=SEED, **settings, **keywords,
+    )  # fmt: skip
+
+
+# -- validated once, when it is built ---------------------------------------------------------
+
+ADAPTIVE = {"target_quantile": 0.5}
+INVALID = [
+    ({"clip_norm": 0}, "clip_norm=0"),
+    ({"clip_norm": -1.0}, "clip_norm=-1.0"),
+    ({"clip_norm": math.nan}, "clip_norm=nan"),
+    ({"clip_norm": "1"}, "clip_norm='1'"),
+    ({"noise_multiplier": None}, "exactly one of noise_multiplier and target_epsilon"),
+    ({"target_epsilon": 1.0, "epochs": 1}, "exactly one of noise_multiplier and target_epsilon"),
+    ({"noise_multiplier": -0.5}, "noise_multiplier=-0.5"),
+    ({"noise_multiplier": math.inf}, "noise_multiplier=inf"),
+    ({"clip_norm": math.inf}, "clip_norm=inf"),
+    (
+        {"clip_norm": math.inf, "noise_multiplier": None, "target_epsilon": 1.0, "epochs": 1},
+        "clip_norm=inf",
+    ),
+    ({"noise_multiplier": None, "target_epsilon": 0.0, "epochs": 1}, "target_epsilon=0.0"),
+    ({"noise_multiplier": None, "target_epsilon": math.inf, "epochs": 1}, "target_epsilon=inf"),
+    ({"noise_multiplier": None, "target_epsilon": 1.0}, "epochs=None"),
+    ({"delta": 0.0}, "delta=0.0"),
+    ({"delta": 1.0}, "delta=1.0"),
+    ({"epochs": 0}, "epochs=0"),
+    ({"epochs": math.inf}, "epochs=inf"),
+    ({"expected_batch_size": 0}, "expected_batch_size=0"),
+    ({"expected_batch_size": math.inf}, "expected_batch_size=inf"),
+    ({"clipping": "per-layer"}, "'flat', 'per_layer', 'normalized', got clipping='per-layer'"),
+    ({"clipping": "normalized", "clip_norm": math.inf, "noise_multiplier": 0.0}, "clip_norm=inf"),
+    ({"bands": 0}, "bands=0"),
+    ({"bands": 2.0}, "bands=2.0"),
+    ({"bands": True}, "bands=True"),
+    ({"accounting": "gdp"}, "'pld', 'rdp', got accounting='gdp'"),
+    ({"epsilon_budget": 0}, "epsilon_budget=0"),
+    ({"epsilon_budget": -1.0}, "epsilon_budget=-1.0"),
+    ({"secure_noise": "yes"}, "secure_noise='yes'"),
+    ({"target_quantile": 0.0}, "target_quantile=0.0"),
+    ({"target_quantile": 1.0}, "target_quantile=1.0"),
+    ({**ADAPTIVE, "quantile_learning_rate": 0}, "quantile_learning_rate=0"),
+    ({**ADAPTIVE, "count_noise_multiplier": 0}, "count_noise_multiplier=0"),
+    ({**ADAPTIVE, "count_noise_multiplier": -2.0}, "count_noise_multiplier=-2.0"),
+    ({**ADAPTIVE, "clipping": "per_layer"}, "clipping='per_layer'"),
+    ({**ADAPTIVE, "clip_norm": math.inf, "noise_multiplier": 0.0}, "clip_norm=inf"),
+    ({**ADAPTIVE, "bands": 2}, "target_quantile=0.5, bands=2"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "named"), INVALID, ids=[repr(o) for o, _ in INVALID])
+def test_each_invalid_setting_is_refused_with_its_name_and_value(overrides, named):
+    with pytest.raises((ValueError, TypeError), match=re.escape(named)):
+        config(**overrides)
+
+
+def test_the_valid_edge_cases_are_accepted():
+    baseline = config(clip_norm=math.inf, noise_multiplier=0.0)  # non-private, allowed
+    assert baseline.noise_std == 0.0 and baseline.accounted_noise_multiplier == 0.0
+    assert config(noise_multiplier=1.2, clip_norm=0.5).noise_std == 1.2 * 0.5
+    # Andrew et al. 2021's default for the count's noise: expected_batch_size / 20
+    assert config(**ADAPTIVE, expected_batch_size=40).count_noise_multiplier == 40 / 20
+    assert config(bands=3).coefficients == dpfunc.matrix_factorization.normalized_coefficients(3)
+
+
+def test_a_config_is_frozen_and_every_copy_is_validated_again():
+    settings = config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.clip_norm = 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.noise_multiplier = 0.0
+    assert settings.noise_std == 1.0
+    with pytest.raises(ValueError, match=re.escape("clip_norm=-1.0")):
+        dataclasses.replace(settings, clip_norm=-1.0)
+
+
+def test_a_target_epsilon_needs_calibration_before_it_yields_noise():
+    planned = config(noise_multiplier=None, target_epsilon=2.0, epochs=1)
+    for read in (
+        lambda: planned.noise_std,
+        lambda: planned.accounted_noise_multiplier,
+        lambda: planned.accounting_event(N),
+    ):
+        with pytest.raises(ValueError, match=r"calibrated\(num_examples\)"):
+            read()
+    with pytest.raises(ValueError, match=r"calibrated\(num_examples\)"):
+        dpfunc.make_train_step(lambda p, e: p["w"].sum(), dpfunc.optim.sgd(lr=0.1), planned)
+
+
+def test_the_sample_rate_is_bounded_by_the_dataset():
+    assert config().sample_rate(N) == 20 / N
+    assert config(bands=3).sample_rate(N) == 20 * 3 / N  # within one of 3 partitions
+    with pytest.raises(ValueError, match=re.escape("expected_batch_size=20")):
+        config().sample_rate(10)
+    with pytest.raises(ValueError, match="num_examples / bands"):
+        config(bands=7).sample_rate(N)  # 7 * 20 > 120
+    with pytest.raises(ValueError, match="epochs=None"):
+        config().total_steps(N)
+
+
+# -- calibrated(n): the noise for a target epsilon ----------------------------------------------
+
+
+@pytest.mark.parametrize("bands", [1, 3])
+def test_calibrated_finds_the_accountants_noise_multiplier(bands):
+    planned = config(noise_multiplier=None, target_epsilon=2.0, delta=1e-4, epochs=2,
+                     accounting="rdp", bands=bands, expected_batch_size=10)  # fmt: skip
+    resolved = planned.calibrated(N)
+    steps = round(2 * round(N / 10))
+    rate = 10 * bands / N
+    expected = accounting.calibrate_noise_multiplier(2.0, 1e-4, rate, steps, "rdp", bands=bands)
+    assert resolved.noise_multiplier == expected
+    assert resolved.target_epsilon is None and resolved.delta == 1e-4
+    assert accounting.epsilon(expected, rate, steps, 1e-4, "rdp", bands=bands) <= 2.0
+    assert dataclasses.replace(resolved, noise_multiplier=None, target_epsilon=2.0) == planned
+
+
+def test_calibrated_leaves_the_adaptive_count_its_share():
+    planned = config(noise_multiplier=None, target_epsilon=2.0, delta=1e-4, epochs=2,
+                     accounting="rdp", **ADAPTIVE, count_noise_multiplier=10.0)  # fmt: skip
+    resolved = planned.calibrated(N)
+    combined = accounting.calibrate_noise_multiplier(2.0, 1e-4, 20 / N, 12, "rdp")
+    assert combined_noise_multiplier(resolved.noise_multiplier, 10.0) == pytest.approx(
+        combined, rel=1e-12
+    )
+    assert resolved.accounted_noise_multiplier == pytest.approx(combined, rel=1e-12)
+    assert resolved.noise_multiplier > combined  # the sum alone needs less than it would
+    assert accounting.epsilon(resolved.accounted_noise_multiplier, 20 / N, 12, 1e-4, "rdp") <= (
+        2.0 * (1 + 1e-9)
+    )
+    with pytest.raises(ValueError, match=re.escape("count_noise_multiplier=0.5")):
+        dataclasses.replace(planned, count_noise_multiplier=0.5).calibrated(N)
+
+
+@pytest.mark.parametrize("n", [99, 100, 120, 1000, 60_000])
+def test_calibrated_resolves_delta_to_the_largest_power_of_ten_below_one_over_n(n):
+    delta = config(expected_batch_size=1).calibrated(n).delta
+    exponent = round(math.log10(delta))
+    assert delta == 10.0**exponent
+    assert delta < 1 / n <= 10 * delta
+
+
+def test_calibrated_warns_about_a_delta_that_allows_releasing_an_example():
+    with pytest.warns(UserWarning, match="1/num_examples"):
+        resolved = config(delta=0.01).calibrated(N)
+    assert resolved.delta == 0.01 and resolved.noise_multiplier == 1.0
+
+
+# -- the accounting event and the sampler are the Trainer's ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"noise_multiplier": 0.8},
+        {"noise_multiplier": None, "target_epsilon": 3.0},
+        {"noise_multiplier": 0.8, **ADAPTIVE, "count_noise_multiplier": 2.0},
+        {"noise_multiplier": 0.8, "bands": 2, "expected_batch_size": 10},
+    ],
+    ids=["sigma", "target_epsilon", "adaptive", "bands"],
+)
+def test_the_accountant_records_the_configs_event_every_step(settings):
+    planned = config(**{"epochs": 1, "delta": 1e-4, "accounting": "rdp", **settings})
+    run = trainer(planned)
+    run.fit(max_steps=3)
+    event = planned.calibrated(N).accounting_event(N)
+    assert run.accountant.history == [(event.noise_multiplier, event.sample_rate, 3)]
+    # the event itself, from the definitions: the whole release and the Poisson rate
+    sigma = run.config.noise_multiplier
+    if "target_quantile" in settings:
+        sigma = combined_noise_multiplier(sigma, 2.0)
+    bands = settings.get("bands", 1)
+    assert event == (sigma, planned.expected_batch_size * bands / N)
+    assert isinstance(event, dpfunc.config.AccountingEvent)
+
+
+@pytest.mark.parametrize("bands", [1, 2])
+def test_the_sampler_is_the_one_the_trainer_draws_from(bands):
+    planned = config(epochs=1, bands=bands, expected_batch_size=10, accounting="rdp")
+    run = trainer(planned)
+    _, _, dataset = problem()
+    sampler = planned.sampler(dataset, run.batches.physical_batch_size, seed=SEED)
+    assert isinstance(sampler, PoissonBatches) and isinstance(run.batches, PoissonBatches)
+    assert sampler.sample_rate == run.batches.sample_rate == planned.sample_rate(N)
+    assert sampler.bands == run.batches.bands == bands
+    assert sampler.expected_batch_size == pytest.approx(10)
+    for t in range(4):
+        assert torch.equal(sampler.indices(t), run.batches.indices(t))
+        ours, theirs = sampler.logical_batch(t)[0], run.batches.logical_batch(t)[0]
+        assert len(ours) == len(theirs)
+        for a, b in zip(ours, theirs, strict=True):
+            for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True):
+                assert torch.equal(x, y)
+
+
+# -- the config form and the keyword form ------------------------------------------------
+
+
+FORMS = [
+    {},
+    {"clipping": "per_layer"},
+    {"clipping": "normalized", "clip_norm": 0.1},
+    {**ADAPTIVE, "count_noise_multiplier": 2.0},
+    {"bands": 2, "expected_batch_size": 10},
+]
+
+
+@pytest.mark.parametrize("settings", FORMS, ids=[repr(s) for s in FORMS])
+def test_make_train_step_config_and_keywords_are_bit_identical(settings):
+    loss_fn, params, (x, y) = problem()
+    keywords = {**BASE, **settings}
+    steps = [
+        dpfunc.make_train_step(loss_fn, dpfunc.optim.adam(1e-2), dpfunc.DPConfig(**keywords)),
+        dpfunc.make_train_step(loss_fn, dpfunc.optim.adam(1e-2), **keywords),
+    ]
+    mask = (torch.arange(16) < 13).double()
+    results = []
+    for step in steps:
+        state = step.init(params)
+        for t in range(3):
+            noise = dpfunc.standard_normal_like(params, seed=SEED, step=t)
+            count_noise = torch.tensor(0.3, dtype=torch.float64) if step.adaptive else None
+            rows = slice(16 * t, 16 * (t + 1))
+            state, _ = step(state, (x[rows], y[rows]), mask, noise, count_noise)
+        results.append(state)
+    config_form, keyword_form = results
+    assert not torch.equal(config_form.params["0.weight"], params["0.weight"])  # it trained
+    for a, b in zip(tree_leaves(config_form), tree_leaves(keyword_form), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"noise_multiplier": None, "target_epsilon": 3.0, "epsilon_budget": 2.5},
+        {**ADAPTIVE, "quantile_learning_rate": 0.5},
+    ],
+    ids=["target_epsilon", "adaptive"],
+)
+def test_trainer_config_and_keywords_are_bit_identical(settings):
+    keywords = {**BASE, "epochs": 1, "delta": 1e-4, "accounting": "rdp", **settings}
+    runs = [trainer(dpfunc.DPConfig(**keywords)), trainer(**keywords)]
+    histories = [run.fit() for run in runs]
+    assert histories[0] == histories[1] and histories[0][-1]["steps"] > 0
+    assert runs[0].config == runs[1].config
+    for key, value in runs[0].params.items():
+        assert torch.equal(value, runs[1].params[key])
+
+
+def test_config_and_privacy_keywords_are_not_mixed():
+    loss_fn, params, dataset = problem()
+    opt = dpfunc.optim.sgd(lr=0.1)
+    settings = config()
+    with pytest.raises(TypeError, match=r"not both.*\['noise_multiplier'\]"):
+        dpfunc.make_train_step(loss_fn, opt, settings, noise_multiplier=2.0)
+    with pytest.raises(TypeError, match="not both"):
+        TrainStep(loss_fn, opt, settings, clip_norm=2.0)
+    with pytest.raises(TypeError, match=r"not both.*\['epochs'\]"):
+        trainer(config(epochs=1), epochs=2)
+    with pytest.raises(TypeError, match=re.escape("config must be a dpfunc.DPConfig")):
+        dpfunc.make_train_step(loss_fn, opt, dict(BASE))
+
+
+def test_an_unknown_keyword_is_refused_with_the_valid_names():
+    loss_fn, _, _ = problem()
+    names = [field.name for field in dataclasses.fields(dpfunc.DPConfig)]
+    with pytest.raises(TypeError, match=r"\['clip_nrom'\]") as caught:
+        dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), **BASE, clip_nrom=2.0)
+    assert all(repr(name) in str(caught.value) for name in names)
+    with pytest.raises(TypeError, match=r"\['epoch'\]") as caught:
+        trainer(**BASE, epoch=1)
+    assert all(repr(name) in str(caught.value) for name in names)
+
+
+# -- the replaced distributed step class -----------------------------------------------
+
+
+def test_distributed_train_step_names_its_replacement_and_still_tells_a_distributed_step():
+    loss_fn, _, _ = problem()
+    opt = dpfunc.optim.sgd(lr=0.1)
+    with pytest.raises(TypeError, match=re.escape("dpfunc.distributed.make_train_step")):
+        dpfunc.distributed.DistributedTrainStep(loss_fn, opt, config())
+    with pytest.raises(TypeError, match=re.escape("dpfunc.distributed.make_train_step")):
+        dpfunc.distributed.DistributedTrainStep(loss_fn, opt, **BASE)
+    local = dpfunc.make_train_step(loss_fn, opt, config())
+    spanning = TrainStep(loss_fn, opt, config(), collectives=LOCAL._replace(distributed=True))
+    assert isinstance(spanning, dpfunc.distributed.DistributedTrainStep)
+    assert not isinstance(local, dpfunc.distributed.DistributedTrainStep)
+    assert not isinstance(object(), dpfunc.distributed.DistributedTrainStep)
