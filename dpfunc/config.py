@@ -158,6 +158,13 @@ class DPConfig:
             raise ValueError(f"secure_noise must be a bool, got secure_noise={self.secure_noise!r}")
         if self.target_quantile is not None:
             self._check_adaptive()
+        elif self.count_noise_multiplier is not None or self.quantile_learning_rate != 0.2:
+            raise ValueError(  # nothing is silently dropped
+                "count_noise_multiplier and quantile_learning_rate set adaptive clipping, which "
+                "is off (target_quantile=None); give target_quantile or leave them out, got "
+                f"count_noise_multiplier={self.count_noise_multiplier!r}, "
+                f"quantile_learning_rate={self.quantile_learning_rate!r}"
+            )
 
     def _check_adaptive(self) -> None:
         check_number("target_quantile", self.target_quantile, low=0, high=1, low_open=True,
@@ -339,13 +346,7 @@ class DPConfig:
         Raises:
             TypeError: a keyword is not a privacy setting (the message lists them).
         """
-        names = [field.name for field in dataclasses.fields(cls)]
-        unknown = sorted(set(settings) - set(names))
-        if unknown:
-            raise TypeError(
-                f"{who} got unexpected keyword arguments {unknown}; its privacy settings "
-                f"(dpfunc.DPConfig) are {names}"
-            )
+        _check_known(who, settings)
         return cls(**settings)
 
 
@@ -359,9 +360,20 @@ def config_from(who: str, config: DPConfig | None, settings: dict[str, Any]) -> 
         return DPConfig.from_keywords(who, settings)
     if not isinstance(config, DPConfig):
         raise TypeError(f"{who}: config must be a dpfunc.DPConfig, got config={config!r}")
+    _check_known(who, settings)  # a typo is named as a typo, not as a second config
     if settings:
         raise TypeError(
             f"{who} takes the privacy settings either as config= or as keywords, not both; "
             f"got config and {sorted(settings)}"
         )
     return config
+
+
+def _check_known(who: str, settings: dict[str, Any]) -> None:
+    names = [field.name for field in dataclasses.fields(DPConfig)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise TypeError(
+            f"{who} got unexpected keyword arguments {unknown}; its privacy settings "
+            f"(dpfunc.DPConfig) are {names}"
+        )

@@ -339,3 +339,18 @@ def test_distributed_train_step_names_its_replacement_and_still_tells_a_distribu
     assert isinstance(spanning, dpfunc.distributed.DistributedTrainStep)
     assert not isinstance(local, dpfunc.distributed.DistributedTrainStep)
     assert not isinstance(object(), dpfunc.distributed.DistributedTrainStep)
+
+
+@pytest.mark.parametrize(
+    "unused", [dict(count_noise_multiplier=2.0), dict(quantile_learning_rate=0.5)]
+)
+def test_adaptive_settings_without_adaptive_clipping_are_refused(unused):
+    with pytest.raises(ValueError, match="adaptive clipping, which is off"):
+        dpfunc.DPConfig(clip_norm=1.0, expected_batch_size=8, noise_multiplier=1.0, **unused)
+
+
+def test_a_mistyped_keyword_beside_a_config_is_named_as_such():
+    config = dpfunc.DPConfig(clip_norm=1.0, expected_batch_size=8, noise_multiplier=1.0)
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['clip_nrom'\]"):
+        dpfunc.make_train_step(lambda p, x: p["w"].sum(), dpfunc.optim.sgd(lr=0.1), config,
+                               clip_nrom=2.0)  # fmt: skip
