@@ -1,6 +1,13 @@
+from collections.abc import Callable
+from typing import NamedTuple
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
+
+import dpfunc
 
 
 @pytest.fixture(autouse=True)
@@ -27,3 +34,52 @@ class TiedLanguageModel(nn.Module):
 def tied_language_model():
     """A fresh ``TiedLanguageModel`` (7 tokens, width 4), initialised after ``_seed``."""
     return TiedLanguageModel()
+
+
+class Classifier(NamedTuple):
+    """A module, its parameters as a dict, and the one-example loss over them."""
+
+    model: nn.Module
+    params: dict
+    loss_fn: Callable
+
+
+def make_classifier(dtype=torch.float64, seed=0):
+    """A two-layer tanh network on 6 features and 3 classes, seeded with ``seed``, in ``dtype``.
+
+    ``loss_fn(params, (x, y))`` is the cross-entropy of one example (``x`` of shape ``(6,)``, ``y``
+    a class index) through the module's buffers; ``model`` holds the same starting weights, for
+    torch.optim and autograd-loop oracles.
+    """
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        x, y = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (x.unsqueeze(0),)), y[None])
+
+    return Classifier(model, params, loss_fn)
+
+
+def make_classification_data(n, dtype=torch.float64, seed=1, scale=1.0):
+    """``n`` examples for ``make_classifier``: standard normal features times ``scale``, uniform
+    labels in ``0..2``, both drawn from a generator seeded with ``seed`` (the global seed is left
+    alone)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g, dtype=dtype) * scale
+    return x, torch.randint(0, 3, (n,), generator=g)
+
+
+@pytest.fixture
+def classifier():
+    """The factory ``make_classifier(dtype=torch.float64, seed=0) -> (model, params, loss_fn)``:
+    a fresh module on each call."""
+    return make_classifier
+
+
+@pytest.fixture
+def classification_data():
+    """The factory ``make_classification_data(n, dtype=torch.float64, seed=1, scale=1.0)``,
+    which returns ``(x, y)``."""
+    return make_classification_data

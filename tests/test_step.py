@@ -1,36 +1,24 @@
 """The composed step against oracles: a per-example loop, torch.optim, compiled vs eager."""
 
+import functools
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch._dynamo.testing import CompileCounter
-from torch.func import functional_call
 
 import dpfunc
 from dpfunc.tree import tree_map
 
 
-def classifier(dtype=torch.float64, seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
-    params, buffers = dpfunc.functionalize(model)
-
-    def loss_fn(p, example):
-        x, y = example
-        return F.cross_entropy(functional_call(model, (p, buffers), (x.unsqueeze(0),)), y[None])
-
-    return model, params, loss_fn
+@pytest.fixture
+def data(classification_data):
+    """The batches of these tests: ``classification_data`` with features scaled by 2."""
+    return functools.partial(classification_data, scale=2.0)
 
 
-def data(n, dtype=torch.float64, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 6, generator=g, dtype=dtype) * 2, torch.randint(0, 3, (n,), generator=g)
-
-
-def test_no_privacy_limit_is_one_torch_sgd_step_on_the_mean_loss():
+def test_no_privacy_limit_is_one_torch_sgd_step_on_the_mean_loss(classifier, data):
     model, params, loss_fn = classifier()
     x, y = data(16)
     step = dpfunc.make_train_step(
@@ -56,7 +44,7 @@ def test_no_privacy_limit_is_one_torch_sgd_step_on_the_mean_loss():
 
 
 @pytest.mark.parametrize("clipping", ["flat", "normalized"])
-def test_private_step_equals_per_example_loop(clipping):
+def test_private_step_equals_per_example_loop(clipping, classifier, data):
     model, params, loss_fn = classifier()
     x, y = data(8)
     mask = torch.tensor([1, 1, 0, 1, 1, 1, 0, 1.0])
@@ -95,7 +83,7 @@ def test_private_step_equals_per_example_loop(clipping):
     torch.testing.assert_close(metrics["clipped_fraction"], torch.tensor(clipped / 6))
 
 
-def test_per_layer_step_bounds_each_module():
+def test_per_layer_step_bounds_each_module(classifier, data):
     _, params, loss_fn = classifier()
     x, y = data(4)
     x[0] *= 1e3
@@ -116,7 +104,7 @@ def test_per_layer_step_bounds_each_module():
     assert metrics["clipped_fraction"] == 1
 
 
-def test_masked_example_equals_removed_example_in_the_step():
+def test_masked_example_equals_removed_example_in_the_step(classifier, data):
     _, params, loss_fn = classifier()
     x, y = data(6)
     step = dpfunc.make_train_step(
@@ -135,7 +123,7 @@ def test_masked_example_equals_removed_example_in_the_step():
     torch.testing.assert_close(m1["loss"], m2["loss"])
 
 
-def test_accumulated_micro_batches_equal_one_batch():
+def test_accumulated_micro_batches_equal_one_batch(classifier, data):
     _, params, loss_fn = classifier(seed=2)
     x, y = data(256, seed=5)
     step = dpfunc.make_train_step(
@@ -161,7 +149,7 @@ def test_accumulated_micro_batches_equal_one_batch():
     assert metrics["batch_size"] == 256
 
 
-def test_nonfinite_example_is_dropped_and_counted():
+def test_nonfinite_example_is_dropped_and_counted(classifier, data):
     _, params, loss_fn = classifier()
     x, y = data(5)
     x[2, 0] = math.nan
@@ -184,7 +172,7 @@ def test_nonfinite_example_is_dropped_and_counted():
         torch.testing.assert_close(state.params[k], without.params[k])
 
 
-def test_empty_batch_still_steps_with_noise_only():
+def test_empty_batch_still_steps_with_noise_only(classifier, data):
     _, params, loss_fn = classifier()
     x, y = data(4)
     step = dpfunc.make_train_step(
@@ -218,7 +206,7 @@ def test_empty_batch_still_steps_with_noise_only():
     assert all(t.shape == (0,) for t in stats)
 
 
-def test_inputs_are_not_modified():
+def test_inputs_are_not_modified(classifier, data):
     _, params, loss_fn = classifier()
     before = {k: v.clone() for k, v in params.items()}
     x, y = data(4)
@@ -236,7 +224,7 @@ def test_inputs_are_not_modified():
 
 
 @pytest.mark.slow
-def test_compiled_equals_eager_with_one_graph_over_many_steps():
+def test_compiled_equals_eager_with_one_graph_over_many_steps(classifier, data):
     torch._dynamo.reset()
     _, params, loss_fn = classifier(dtype=torch.float32)
     step = dpfunc.make_train_step(
@@ -300,7 +288,7 @@ def test_compiled_equals_eager_with_one_graph_over_many_steps():
         (dict(optimizer=torch.optim.SGD), TypeError, "optimizer"),
     ],
 )
-def test_bad_construction_raises(kwargs, error, match):
+def test_bad_construction_raises(kwargs, error, match, classifier):
     _, _, loss_fn = classifier()
     args = dict(
         optimizer=dpfunc.optim.sgd(lr=0.1),
@@ -313,7 +301,7 @@ def test_bad_construction_raises(kwargs, error, match):
         dpfunc.make_train_step(loss_fn, **args)
 
 
-def test_bad_call_raises():
+def test_bad_call_raises(classifier, data):
     _, params, loss_fn = classifier()
     x, y = data(4)
     step = dpfunc.make_train_step(
@@ -341,7 +329,7 @@ def test_bad_call_raises():
 
 
 @pytest.mark.parametrize("method", ["vmap", "ghost"])
-def test_adaptive_clipping_step_moves_the_clip_norm_geometrically(method):
+def test_adaptive_clipping_step_moves_the_clip_norm_geometrically(method, classifier, data):
     """clip at state.clip_norm, count the unclipped, noise the count, update C."""
     model, params, loss_fn = classifier()
     x, y = data(8)
