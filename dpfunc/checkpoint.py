@@ -1,16 +1,20 @@
 """Checkpoints of a :class:`dpfunc.Trainer`: save, load, and what makes one resumable.
 
-A checkpoint holds the parameters, the optimizer state, the accountant's
-history, the step count (which fixes the sampler and noise streams), the
-run's privacy settings, the history and the secret seed, so that a resumed
-run ends bit-identical to an uninterrupted one. **A checkpoint is as
+A checkpoint holds the train state part by part (the parameters, the
+optimizer state, the step count, which fixes the sampler and noise streams,
+and the states of the clip and noise mechanisms: the clip norm and the
+banded noise history), the accountant's history, the run's privacy
+settings, the history and the secret seed, so that a resumed run ends
+bit-identical to an uninterrupted one. The sampler's state is the secret;
+the partitions are derived again from it on loading. **A checkpoint is as
 sensitive as the training data**: with the seed, anyone can remove the noise
 from every update it saw. Store it where the data is stored, never next to
 the released model.
 
 Loading refuses, naming every difference, a checkpoint written with other
 privacy settings, data size or parameter shapes (its accounting holds only
-for its own); a version-1 checkpoint (keyed with a public default seed); and
+for its own); a checkpoint of an earlier version, with the reason (version
+1: keyed with a public default seed; version 2: see :data:`VERSION`); and
 a seed other than the trainer's, except that a trainer built with
 ``seed=None`` adopts a checkpoint's seed if that seed was itself a drawn
 secret (a fixed one is refused: a run resumed from it would not be private).
@@ -32,9 +36,22 @@ import torch
 from . import distributed as _distributed
 from .accounting import Accountant
 
-__all__ = ["VERSION", "check_path", "load", "save", "settings"]
+__all__ = ["STATE_PARTS", "VERSION", "check_path", "load", "save", "settings"]
 
-VERSION = 2  # 2: the secret seed and the noise kind
+VERSION = 3
+"""The checkpoint format. 2: the secret seed and the noise kind. 3: the train state by parts.
+
+Version 3 stores each part of the train state (``params``, ``opt_state``,
+``step``, ``clip_state``, ``noise_state``) under its name, so a part whose
+layout changed is named, never read as another. Version 2 stored the state
+as one flat list of tensors, and the releases that wrote it rounded the
+noisy sum differently (some before the logical batch's sum was float64,
+some after), which the file does not record: resuming one would not
+continue the same run bit for bit, so it is refused. Its accounting stays
+valid for what it released; start a new run.
+"""
+
+STATE_PARTS = ("params", "opt_state", "step", "clip_state", "noise_state")
 
 
 def check_path(path: Any) -> None:
@@ -111,7 +128,7 @@ def _write(trainer: Any, path: str | os.PathLike) -> None:
     checkpoint = {
         "version": VERSION,
         "config": settings(trainer),
-        "state": optree.tree_leaves(trainer.state),
+        "state": {part: optree.tree_leaves(getattr(trainer.state, part)) for part in STATE_PARTS},
         "accountant": trainer.accountant.state_dict(),
         "history": trainer.history,
         "seed_secret": trainer.seed_is_secret,
@@ -206,6 +223,15 @@ def _check_seed(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> None:
             "noise of that run, and this version draws noise and batches differently, so it "
             "cannot be resumed bit-identically. Start a new run."
         )
+    if version == 2:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} was written by an earlier dpfunc (checkpoint "
+            "version 2), which stored the train state as one flat list of tensors; this "
+            "version stores the clip and noise mechanisms' states by name, and the releases "
+            "that wrote version 2 rounded the noisy sum differently without recording which "
+            "did, so it cannot be resumed bit-identically. Its epsilon still holds for what it "
+            "released; start a new run."
+        )
     if version != VERSION:
         raise ValueError(f"{os.fspath(path)!r} is not a dpfunc checkpoint (version {VERSION})")
     seed, secret = checkpoint["config"]["seed"], checkpoint["seed_secret"]
@@ -241,26 +267,37 @@ def _check_settings(trainer: Any, path: str | os.PathLike, saved: dict[str, Any]
 
 
 def _state(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> tuple:
-    spec = optree.tree_structure(trainer.state)
-    leaves, current = checkpoint["state"], optree.tree_leaves(trainer.state)
-    if len(leaves) != len(current) or any(
-        not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype
-        for a, b in zip(leaves, current)
-    ):
-        raise ValueError(
-            f"checkpoint {os.fspath(path)!r} holds a state whose tensors do not match "
-            "this trainer's parameters and optimizer"
-        )
+    saved = checkpoint["state"]  # not a dict, or a part missing: malformed (see _read)
+    parts = {part: _part(trainer, path, part, saved[part]) for part in STATE_PARTS}
     accountant = trainer.config.accountant()
     accountant.load_state_dict(checkpoint["accountant"])
-    leaves = [a.to(b.device) for a, b in zip(leaves, current)]  # each rank's own device
-    state = optree.tree_unflatten(spec, leaves)
+    state = trainer.state._replace(**parts)
     if int(state.step) != accountant.steps:
         raise ValueError(
             f"checkpoint {os.fspath(path)!r} is inconsistent: {int(state.step)} optimizer "
             f"steps but {accountant.steps} accounted steps"
         )
     return state, accountant, list(checkpoint["history"]), checkpoint["config"]["seed"]
+
+
+def _part(trainer: Any, path: str | os.PathLike, part: str, leaves: Any) -> Any:
+    """One part of the saved state, in the structure of the trainer's own, on its devices."""
+    mine = getattr(trainer.state, part)
+    current = optree.tree_leaves(mine)
+    if (
+        not isinstance(leaves, list)
+        or len(leaves) != len(current)
+        or any(
+            not isinstance(a, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype
+            for a, b in zip(leaves, current)
+        )
+    ):
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} holds a train state whose {part} tensors do not "
+            "match this trainer's (their number, shapes or dtypes differ)"
+        )
+    leaves = [a.to(b.device) for a, b in zip(leaves, current)]  # each rank's own device
+    return optree.tree_unflatten(optree.tree_structure(mine), leaves)
 
 
 def _saved_setting(saved: dict[str, Any], key: str, ours: Any) -> Any:

@@ -37,13 +37,15 @@ private learning with adaptive clipping") moves the clip norm towards a
 target quantile of the per-example norms: each step counts the examples the
 clip left unscaled (:func:`unclipped_count`, sensitivity 1), releases that
 count with Gaussian noise, and updates the norm geometrically
-(:func:`adaptive_clip_norm`).
+(:func:`adaptive_clip_norm`). As a mechanism with state (:class:`ClipMechanism`,
+from :func:`adaptive_clipping` or :func:`fixed_clipping`) the clip norm lives
+in the train state (``TrainState.clip_state``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 import optree
@@ -689,3 +691,107 @@ def adaptive_clip_norm(
     check_number("learning_rate", learning_rate, low=0, low_open=True, high_open=True)
     fraction = noisy_count / expected_batch_size
     return clip_norm * torch.exp(-learning_rate * (fraction - target_quantile))
+
+
+class ClipState(NamedTuple):
+    """A clip mechanism's state between steps (held in ``TrainState.clip_state``)."""
+
+    clip_norm: Tensor  # shape (), float64: the clip norm of the next step
+
+
+class ClipMechanism(NamedTuple):
+    """The clip norm of each step, as two pure functions (the style of :mod:`dpfunc.optim`).
+
+    ``init() -> ClipState``: the state before the first step.
+    ``update(count, count_noise, state) -> ClipState``: the state after a
+    step whose logical batch had ``count`` unclipped examples
+    (:func:`unclipped_count`, a float64 0-d tensor) and whose count stream
+    drew the standard normal ``count_noise`` (0-d); both are ``None`` when
+    the mechanism releases no count (:func:`fixed_clipping`). Made by
+    :func:`fixed_clipping` and :func:`adaptive_clipping`;
+    :meth:`dpfunc.DPConfig.clip_mechanism` picks the one a config releases.
+    """
+
+    init: Callable[[], ClipState]
+    update: Callable[[Tensor | None, Tensor | None, ClipState], ClipState]
+
+
+def fixed_clipping(clip_norm: float) -> ClipMechanism:
+    """A clip norm that never moves: ``update`` returns the state it gets, reading nothing.
+
+    Raises:
+        ValueError: ``clip_norm`` is not > 0 (``inf`` disables clipping).
+
+    >>> mechanism = fixed_clipping(1.5)
+    >>> state = mechanism.init()
+    >>> state
+    ClipState(clip_norm=tensor(1.5000, dtype=torch.float64))
+    >>> mechanism.update(None, None, state) is state
+    True
+    """
+    clip_norm = _check_clip_norm(clip_norm)
+
+    def init() -> ClipState:
+        return ClipState(torch.tensor(clip_norm, dtype=F64))
+
+    def update(count: Tensor | None, count_noise: Tensor | None, state: ClipState) -> ClipState:
+        return state
+
+    return ClipMechanism(init, update)
+
+
+def adaptive_clipping(
+    clip_norm: float,
+    expected_batch_size: float,
+    target_quantile: float,
+    learning_rate: float,
+    count_noise_multiplier: float,
+) -> ClipMechanism:
+    """Adaptive clipping (Andrew et al. 2021) as a mechanism: the noisy count moves the norm.
+
+    ``init()`` starts at ``clip_norm``. ``update(count, count_noise,
+    state)`` releases ``noisy_count = count + count_noise_multiplier *
+    count_noise`` (the Gaussian mechanism on a statistic of sensitivity 1,
+    noise multiplier ``count_noise_multiplier``) and returns the state with
+    :func:`adaptive_clip_norm` of it. Pure; compiles with ``fullgraph=True``.
+
+    Args:
+        clip_norm: the starting ``C``, finite and > 0.
+        expected_batch_size: ``m``, the denominator of the fraction.
+        target_quantile: ``gamma`` in ``(0, 1)``.
+        learning_rate: ``eta > 0`` of the geometric update.
+        count_noise_multiplier: the std of the count's noise, > 0.
+
+    Raises:
+        ValueError: a setting is out of range (named with its value).
+
+    >>> mechanism = adaptive_clipping(1.0, 10.0, 0.5, 0.2, 1.0)
+    >>> mechanism.update(torch.tensor(5.0, dtype=torch.float64), torch.tensor(0.0,
+    ...     dtype=torch.float64), mechanism.init())
+    ClipState(clip_norm=tensor(1., dtype=torch.float64))
+    """
+    start = check_number("clip_norm", clip_norm, low=0, low_open=True, high_open=True,
+                         note="(adaptive clipping starts from a finite norm)")  # fmt: skip
+    check_number("expected_batch_size", expected_batch_size, low=0, low_open=True, high_open=True)
+    check_number("target_quantile", target_quantile, low=0, high=1, low_open=True, high_open=True)
+    check_number("learning_rate", learning_rate, low=0, low_open=True, high_open=True)
+    check_number("count_noise_multiplier", count_noise_multiplier, low=0, low_open=True,
+                 high_open=True)  # fmt: skip
+
+    def init() -> ClipState:
+        return ClipState(torch.tensor(start, dtype=F64))
+
+    def update(count: Tensor | None, count_noise: Tensor | None, state: ClipState) -> ClipState:
+        if count is None or count_noise is None:
+            raise ValueError(
+                "adaptive clipping releases the unclipped count with its own noise: pass "
+                "count=step.unclipped_count(state, stats) and count_noise"
+            )
+        noisy_count = count + count_noise_multiplier * count_noise
+        return ClipState(
+            adaptive_clip_norm(
+                state.clip_norm, noisy_count, expected_batch_size, target_quantile, learning_rate
+            )
+        )
+
+    return ClipMechanism(init, update)

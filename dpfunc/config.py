@@ -13,9 +13,13 @@ the sampler and the accountant read, so the accountant records exactly
 what the step releases:
 
 * the noise: ``noise_std = noise_multiplier * clip_norm`` on the clipped sum
-  (and ``coefficients``, the banded strategy, with ``bands > 1``);
+  (and ``coefficients``, the banded strategy, with ``bands > 1``), drawn
+  through :meth:`DPConfig.noise_mechanism`;
+* the clip norm: :meth:`DPConfig.clip_mechanism`, fixed, or moved by a
+  noisy count with adaptive clipping;
 * the sampler: :meth:`DPConfig.sampler`, Poisson (cyclic over ``bands``
-  partitions) at :meth:`DPConfig.sample_rate`;
+  partitions) at :meth:`DPConfig.sample_rate`, over
+  :meth:`DPConfig.poisson_sampler`;
 * the accounting event: :meth:`DPConfig.accounting_event`, the
   ``(noise_multiplier, sample_rate)`` of one step, where the multiplier
   covers the gradient sum and, with adaptive clipping, the private count.
@@ -41,10 +45,10 @@ from typing import Any, NamedTuple
 
 from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
 from .checks import check_choice, check_int, check_number
-from .clipping import CLIPPING_MODES
-from .data import PoissonBatches, as_dataset, dataset_size
-from .matrix_factorization import normalized_coefficients
-from .noise import check_expected_batch_size
+from .clipping import CLIPPING_MODES, ClipMechanism, adaptive_clipping, fixed_clipping
+from .data import PoissonBatches, Sampler, as_dataset, dataset_size, poisson_sampler
+from .matrix_factorization import banded_noise, normalized_coefficients
+from .noise import NoiseMechanism, check_expected_batch_size, independent_noise
 
 __all__ = ["CLIPPING_MODES", "AccountingEvent", "DPConfig", "config_from"]
 
@@ -228,7 +232,44 @@ class DPConfig:
             )
         return float(self.noise_multiplier)
 
+    def noise_mechanism(self) -> NoiseMechanism:
+        """The noise the step adds, as an ``(init, update)`` mechanism.
+
+        :func:`dpfunc.noise.independent_noise` with ``bands = 1``;
+        :func:`dpfunc.matrix_factorization.banded_noise` of
+        :attr:`coefficients` with ``bands > 1``. Its state is
+        ``TrainState.noise_state``.
+        """
+        if self.bands == 1:
+            return independent_noise()
+        return banded_noise(self.coefficients)
+
+    def clip_mechanism(self) -> ClipMechanism:
+        """The clip norm of each step, as an ``(init, update)`` mechanism.
+
+        :func:`dpfunc.clipping.fixed_clipping` at ``clip_norm``, or with
+        ``target_quantile`` :func:`dpfunc.clipping.adaptive_clipping` from
+        it. Its state is ``TrainState.clip_state``.
+        """
+        if not self.adaptive:
+            return fixed_clipping(self.clip_norm)
+        return adaptive_clipping(
+            self.clip_norm,
+            self.expected_batch_size,
+            self.target_quantile,
+            self.quantile_learning_rate,
+            self.count_noise_multiplier,
+        )
+
     # -- what the sampler and the accountant need: the dataset size ----------------
+
+    def poisson_sampler(self, num_examples: int) -> Sampler:
+        """The pure sampler of this config for ``num_examples`` examples.
+
+        :func:`dpfunc.data.poisson_sampler` at :meth:`sample_rate`, cyclic
+        over ``bands`` partitions; :meth:`sampler` iterates over it.
+        """
+        return poisson_sampler(num_examples, self.sample_rate(num_examples), bands=self.bands)
 
     def sample_rate(self, num_examples: int) -> float:
         """Each example's Poisson inclusion probability (within its partition if bands > 1).

@@ -52,8 +52,8 @@ import math
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -78,6 +78,8 @@ MicroBatch = tuple[PyTree, Tensor]  # (batch with leading dim physical_batch_siz
 
 __all__ = [
     "PoissonBatches",
+    "Sampler",
+    "SamplerState",
     "as_dataset",
     "cyclic_poisson_sample",
     "dataset_size",
@@ -85,6 +87,7 @@ __all__ = [
     "num_micro_batches",
     "partitions",
     "poisson_sample",
+    "poisson_sampler",
     "split_for_rank",
 ]
 
@@ -193,6 +196,70 @@ def cyclic_poisson_sample(partition: Tensor, sample_rate: float, *, seed: int, s
     generator = keyed_generator("dpfunc.poisson", seed, step, torch.device("cpu"))
     keep = torch.rand(partition.numel(), generator=generator, dtype=torch.float64) < sample_rate
     return partition[keep].to(torch.int64)
+
+
+class SamplerState(NamedTuple):
+    """A sampler's state: the secret and what is derived from it. Never printed."""
+
+    seed: int  # the run's secret, an int >= 0
+    partitions: tuple[Tensor, ...]  # bands sorted int64 index tensors, from partitions(seed)
+
+    def __repr__(self) -> str:  # the seed is a secret, and the split is as secret as the seed
+        return f"SamplerState(seed=<secret>, partitions=<{len(self.partitions)}, secret>)"
+
+
+class Sampler(NamedTuple):
+    """Poisson sampling as two pure functions (the ``(init, update)`` style of :mod:`dpfunc.optim`).
+
+    ``init(seed) -> SamplerState``: the secret and the partitions derived
+    from it (derived again whenever a secret is adopted, e.g. on resume).
+    ``sample(state, step) -> indices``: step ``step``'s logical batch, a
+    function of the state and the step only. Made by
+    :func:`poisson_sampler`; :class:`PoissonBatches` iterates over one.
+    """
+
+    init: Callable[[int], SamplerState]
+    sample: Callable[[SamplerState, int], Tensor]
+
+
+def poisson_sampler(num_examples: int, sample_rate: float, *, bands: int = 1) -> Sampler:
+    """The sampler of DP-SGD: Poisson, or cyclic Poisson over ``bands`` partitions.
+
+    ``sample(state, t)`` is :func:`poisson_sample` with ``bands = 1`` and
+    :func:`cyclic_poisson_sample` of ``state.partitions[t % bands]`` with
+    ``bands > 1`` (the partitions from :func:`partitions` of the state's
+    seed), bit for bit.
+
+    Raises:
+        ValueError: an argument is out of range (``bands`` above
+            ``num_examples`` included), or, from ``init``, a seed that is
+            not an int >= 0 (never shown).
+
+    >>> from dpfunc import secret_seed
+    >>> sampler = poisson_sampler(10, 1.0, bands=2)
+    >>> state = sampler.init(secret_seed())
+    >>> sorted(sampler.sample(state, 0).tolist() + sampler.sample(state, 1).tolist())
+    [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    """
+    check_int("num_examples", num_examples, minimum=1)
+    check_number("sample_rate", sample_rate, low=0, high=1, low_open=True)
+    check_int("bands", bands, minimum=1)
+    if bands > num_examples:
+        raise ValueError(
+            f"bands must be at most num_examples={num_examples} (every partition needs an "
+            f"example), got bands={bands!r}"
+        )
+
+    def init(seed: int) -> SamplerState:
+        return SamplerState(seed, tuple(partitions(num_examples, bands, seed=seed)))
+
+    def sample(state: SamplerState, step: int) -> Tensor:
+        if bands == 1:
+            return poisson_sample(num_examples, sample_rate, seed=state.seed, step=step)
+        partition = state.partitions[step % bands]
+        return cyclic_poisson_sample(partition, sample_rate, seed=state.seed, step=step)
+
+    return Sampler(init, sample)
 
 
 def split_for_rank(indices: Tensor, rank: int, world_size: int) -> Tensor:
@@ -511,7 +578,8 @@ def micro_batches(
 class PoissonBatches:
     """Poisson-sampled logical batches as fixed-shape micro-batches, step by step.
 
-    A thin layer over ``poisson_sample``, ``split_for_rank`` and
+    A thin layer over a :func:`poisson_sampler` (``self.sampler``, its
+    state ``self.sampler_state``), ``split_for_rank`` and
     ``micro_batches``. Step ``t``'s logical batch depends only on
     ``(seed, t)``, so a resumed run calls ``logical_batch(t)`` with its step
     count and gets the batch it would have had.
@@ -576,7 +644,7 @@ class PoissonBatches:
                     "e.g. seed=dpfunc.distributed.shared_secret_seed()"
                 )
             seed = secret_seed()
-        check_int("bands", bands, minimum=1)
+        self.sampler = poisson_sampler(num_examples, sample_rate, bands=bands)
         self.bands = bands
         self.dataset = dataset
         self.num_examples = num_examples
@@ -589,14 +657,18 @@ class PoissonBatches:
     @property
     def seed(self) -> int:
         """The secret that keys the sample of every step (and the partitions)."""
-        return self._seed
+        return self.sampler_state.seed
 
     @seed.setter
     def seed(self, seed: int) -> None:
         """Adopts another secret (e.g. a resumed run's): everything it keys is derived again."""
         check_seed(seed)
-        self.partitions = partitions(self.num_examples, self.bands, seed=seed)
-        self._seed = seed
+        self.sampler_state = self.sampler.init(seed)
+
+    @property
+    def partitions(self) -> list[Tensor]:
+        """The ``bands`` partitions of cyclic Poisson sampling, derived from the seed."""
+        return list(self.sampler_state.partitions)
 
     @property
     def expected_batch_size(self) -> float:
@@ -611,10 +683,7 @@ class PoissonBatches:
 
     def indices(self, step: int) -> Tensor:
         """Step ``step``'s whole logical batch (the same on every rank)."""
-        if self.bands == 1:
-            return poisson_sample(self.num_examples, self.sample_rate, seed=self.seed, step=step)
-        partition = self.partitions[step % self.bands]
-        return cyclic_poisson_sample(partition, self.sample_rate, seed=self.seed, step=step)
+        return self.sampler.sample(self.sampler_state, step)
 
     def counts_per_rank(self, step: int) -> list[int]:
         """The number of real examples in each rank's share of step ``step``."""

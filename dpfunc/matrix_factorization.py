@@ -42,9 +42,10 @@ of ``C w = Z``::
     w_t = (z_t - c_1 w_{t-1} - ... - c_{b-1} w_{t-b+1}) / c_0
 
 so a step needs its own standard-normal tree ``z_t`` and the last ``b - 1``
-correlated trees, which live in the train state as one stacked tensor per
-parameter (``[b - 1, *shape]``, newest first): a compiled step stays one
-graph, and a checkpoint resumes bit-identically.
+correlated trees, which live in the train state (``TrainState.noise_state``,
+the state of :func:`banded_noise`) as one stacked tensor per parameter
+(``[b - 1, *shape]``, newest first): a compiled step stays one graph, and a
+checkpoint resumes bit-identically.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ import torch
 from torch import Tensor
 
 from .checks import check_int
+from .noise import NoiseMechanism, NoiseState
 from .tree import Params, check_same_structure, tree_leaves, tree_map, tree_structure
 
 __all__ = [
+    "banded_noise",
     "banded_sqrt_coefficients",
     "column_norm_sensitivity",
     "correlated_noise",
@@ -152,6 +155,40 @@ def init_noise_history(params: Params, bands: int) -> Params:
     if bands == 1:
         return {}
     return tree_map(lambda p: p.new_zeros((bands - 1, *p.shape)), params)
+
+
+def banded_noise(coefficients: Sequence[float]) -> NoiseMechanism:
+    """The banded correlated noise as a mechanism: ``w_t = (C^{-1} Z)_t``, step by step.
+
+    ``init(params)`` gives :func:`init_noise_history` (``b - 1`` zero trees,
+    stacked) in a :class:`~dpfunc.noise.NoiseState`; ``update(z_t, state)``
+    is :func:`solve_recurrence`, which returns the correlated draw and the
+    state with it in front. Both are pure and compile with
+    ``fullgraph=True``. One coefficient gives ``w_t = z_t / c_0``.
+
+    Args:
+        coefficients: ``c_0, ..., c_{b-1}`` of the banded Toeplitz strategy,
+            usually :func:`normalized_coefficients` (unit column norm, so
+            the noise multiplier is the accountant's).
+
+    Raises:
+        ValueError: the coefficients are not finite or ``c_0`` is not > 0.
+
+    >>> mechanism = banded_noise(normalized_coefficients(3))
+    >>> state = mechanism.init({"w": torch.zeros(2)})
+    >>> tuple(state.history["w"].shape)
+    (2, 2)
+    """
+    values = _check_coefficients(coefficients)
+
+    def init(params: Params) -> NoiseState:
+        return NoiseState(init_noise_history(params, len(values)))
+
+    def update(noise: Params, state: NoiseState) -> tuple[Params, NoiseState]:
+        correlated, history = solve_recurrence(noise, state.history, values)
+        return correlated, NoiseState(history)
+
+    return NoiseMechanism(init, update)
 
 
 def correlated_noise(

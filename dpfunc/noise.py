@@ -9,7 +9,10 @@ the sensitivity argument the accountant relies on.
 Randomness enters as an explicit standard-normal tree drawn outside the
 compiled step from a generator keyed by ``(seed, step)``: the step stays a
 pure function, compiles once, and a run is reproducible and resumable from
-its step count alone.
+its step count alone. What the step adds is the noise mechanism's output
+(:class:`NoiseMechanism`): the draw itself for DP-SGD
+(:func:`independent_noise`), a correlated one for banded noise
+(:func:`dpfunc.matrix_factorization.banded_noise`).
 
 The seed is a secret. Whoever knows it can regenerate every noise draw and
 subtract it from the released update, which leaves the exact clipped sum:
@@ -70,7 +73,8 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -355,6 +359,50 @@ def average(x: Params, expected_batch_size: float) -> Params:
     """
     check_expected_batch_size(expected_batch_size)
     return tree_map(lambda leaf: leaf / expected_batch_size, x)
+
+
+class NoiseState(NamedTuple):
+    """A noise mechanism's state between steps (held in ``TrainState.noise_state``)."""
+
+    # correlated noise (bands b > 1): each leaf [b - 1, *param.shape], the last b - 1
+    # correlated draws, newest first (dpfunc.matrix_factorization); {} for independent noise
+    history: Params = {}  # noqa: RUF012 (never mutated: states are replaced, not changed)
+
+
+class NoiseMechanism(NamedTuple):
+    """How a step's standard-normal tree ``z_t`` becomes the noise it adds, ``w_t``.
+
+    Two pure functions, in the style of :mod:`dpfunc.optim`: ``init(params)
+    -> NoiseState``, the state before the first step, and ``update(z_t,
+    state) -> (w_t, state)``. The step adds ``noise_std * w_t`` to the
+    clipped sum. Made by :func:`independent_noise` and
+    :func:`dpfunc.matrix_factorization.banded_noise`;
+    :meth:`dpfunc.DPConfig.noise_mechanism` picks the one a config releases.
+    """
+
+    init: Callable[[Params], NoiseState]
+    update: Callable[[Params, NoiseState], tuple[Params, NoiseState]]
+
+
+def independent_noise() -> NoiseMechanism:
+    """DP-SGD's Gaussian noise: every step adds its own draw, ``w_t = z_t``; no state.
+
+    >>> mechanism = independent_noise()
+    >>> state = mechanism.init({"w": torch.zeros(3)})
+    >>> state
+    NoiseState(history={})
+    >>> z = {"w": torch.ones(3)}
+    >>> mechanism.update(z, state)[0] is z
+    True
+    """
+
+    def init(params: Params) -> NoiseState:
+        return NoiseState({})
+
+    def update(noise: Params, state: NoiseState) -> tuple[Params, NoiseState]:
+        return noise, state
+
+    return NoiseMechanism(init, update)
 
 
 def check_expected_batch_size(expected_batch_size: Any) -> float:

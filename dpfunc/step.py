@@ -11,6 +11,13 @@ noise exactly once and updates the parameters. ``step(state, batch, mask,
 noise)`` does both for a logical batch that fits one micro-batch. All three
 are pure and compile with ``torch.compile(fullgraph=True)``.
 
+The mechanisms with state come from the config as ``(init, update)`` pairs:
+the noise (:meth:`DPConfig.noise_mechanism`: independent, or banded
+correlated) and the clip norm (:meth:`DPConfig.clip_mechanism`: fixed, or
+adaptive). Their states live in the :class:`TrainState` beside the
+parameters, the optimizer state and the step count, so a step is one pure
+function of the state and a checkpoint of it resumes the run.
+
 Two ways to the clipped sum (``method``): ``"vmap"`` materialises every
 example's gradient; ``"ghost"`` (with ``model=``) gets the per-example norms and
 the clipped sum from each covered layer's inputs and output gradients without
@@ -46,8 +53,8 @@ from . import optim
 from .checks import check_choice, check_int
 from .clipping import (
     ClippingPolicy,
+    ClipState,
     accumulation_dtype,
-    adaptive_clip_norm,
     clipped_sum,
     per_sample_norms,
     rounding_scope,
@@ -55,8 +62,7 @@ from .clipping import (
 )
 from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPING_MODES: kept importable here)
 from .ghost import GhostClipper, ghost_clip
-from .matrix_factorization import init_noise_history, solve_recurrence
-from .noise import add_noise, average, standard_normal_like
+from .noise import NoiseState, add_noise, average, standard_normal_like
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_map
 
@@ -65,15 +71,51 @@ METHODS = ("auto", "vmap", "ghost")
 
 
 class TrainState(NamedTuple):
+    """Everything a step reads and replaces: the parameters and each mechanism's state.
+
+    ``clip_norm`` and ``noise_history`` read the mechanisms' states (the
+    names of earlier releases). A state derived from another keeps the
+    mechanisms' states with ``state._replace(params=..., opt_state=...,
+    step=...)``.
+    """
+
     params: Params  # the model's trainable parameters
     opt_state: Any  # the optimizer's state
     step: Tensor  # shape (), int64: private steps taken so far
-    clip_norm: (
-        Tensor  # shape (), float64: the clip norm of the next step (adaptive clipping moves it)
-    )
-    # correlated noise (bands b > 1): each leaf [b - 1, *param.shape], the last b - 1
-    # correlated draws, newest first (dpfunc.matrix_factorization); {} for DP-SGD
-    noise_history: Params = {}  # noqa: RUF012 (never mutated: states are replaced, not changed)
+    clip_state: ClipState  # config.clip_mechanism()'s: the clip norm of the next step
+    # config.noise_mechanism()'s: the banded history (correlated noise), empty for DP-SGD
+    noise_state: NoiseState = NoiseState()
+
+    @property
+    def clip_norm(self) -> Tensor:
+        """Shape (), float64: the clip norm of the next step (adaptive clipping moves it)."""
+        return self.clip_state.clip_norm
+
+    @property
+    def noise_history(self) -> Params:
+        """Each leaf ``[b - 1, *param.shape]``, the last correlated draws; ``{}`` for DP-SGD."""
+        return self.noise_state.history
+
+
+def check_state(state: Any) -> None:
+    """Raises ``TypeError`` unless ``state`` holds each mechanism's state, as ``init`` builds it.
+
+    A state built in the form of earlier releases, ``TrainState(params,
+    opt_state, step, clip_norm)``, holds a tensor where the clip state goes.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"state must be a dpfunc.TrainState (from step.init), got a {type(state).__name__}"
+        )
+    for name, kind in (("clip_state", ClipState), ("noise_state", NoiseState)):
+        part = getattr(state, name)
+        if not isinstance(part, kind):
+            raise TypeError(
+                f"state.{name} must be a {kind.__name__}, got a {type(part).__name__}: a "
+                "TrainState holds params, opt_state, step, clip_state and noise_state; build "
+                "one from another with state._replace(params=..., opt_state=..., step=...), "
+                "which keeps the mechanisms' states"
+            )
 
 
 class ExampleStats(NamedTuple):
@@ -240,15 +282,22 @@ class TrainStep:
         self.noise_multiplier = float(config.noise_multiplier)
         self.expected_batch_size = config.expected_batch_size
         self.clipping = config.clipping
-        self.target_quantile = config.target_quantile
-        self.quantile_learning_rate = float(config.quantile_learning_rate)
-        self.count_noise_multiplier = config.count_noise_multiplier
-        self.bands = config.bands
-        # the strategy C with unit column norm: noise_multiplier is the accountant's
-        self.coefficients = config.coefficients
+        # the mechanisms with state, built once from the config: their states live in the
+        # TrainState, and the settings they hold are read-only properties below
+        self.noise_mechanism = config.noise_mechanism()
+        self.clip_mechanism = config.clip_mechanism()
         use_ghost = model is not None and method != "vmap"
         self._ghost = GhostClipper(model, loss_fn, method) if use_ghost else None
         self._accumulate, self._apply_reduced = self.accumulate, self.apply_reduced
+
+    # the settings the mechanisms were built with: read-only, since changing one here
+    # would not change the mechanism (build another step from another config)
+    target_quantile = property(lambda self: self.config.target_quantile)
+    quantile_learning_rate = property(lambda self: float(self.config.quantile_learning_rate))
+    count_noise_multiplier = property(lambda self: self.config.count_noise_multiplier)
+    bands = property(lambda self: self.config.bands)
+    # the strategy C with unit column norm: noise_multiplier is the accountant's
+    coefficients = property(lambda self: self.config.coefficients)
 
     @property
     def distributed(self) -> bool:
@@ -263,9 +312,13 @@ class TrainStep:
         """
         params = self.collectives.start(params)
         step = torch.zeros((), dtype=torch.int64)
-        clip_norm = torch.tensor(self.clip_norm, dtype=torch.float64)
-        history = init_noise_history(params, self.bands)
-        return TrainState(params, self.optimizer.init(params), step, clip_norm, history)
+        return TrainState(
+            params,
+            self.optimizer.init(params),
+            step,
+            self.clip_mechanism.init(),
+            self.noise_mechanism.init(params),
+        )
 
     def compile(self) -> TrainStep:
         """Compiles the local pieces; returns ``self``.
@@ -313,7 +366,7 @@ class TrainStep:
 
     @property
     def adaptive(self) -> bool:
-        """Adaptive clipping is on: the clip norm lives in ``TrainState.clip_norm``."""
+        """Adaptive clipping is on: the clip norm moves, in ``TrainState.clip_state``."""
         return self.target_quantile is not None
 
     def zeros(self, params: Params) -> Params:
@@ -330,7 +383,7 @@ class TrainStep:
     ) -> tuple[Params, ExampleStats]:
         """The clipped sum of one micro-batch and its per-example stats.
 
-        ``clip_norm``: adaptive clipping's current norm (``state.clip_norm``);
+        ``clip_norm``: adaptive clipping's current norm (``state.clip_state.clip_norm``);
         ``None`` clips at the fixed ``clip_norm`` the step was built with.
         The sum is in the accumulation dtype of each parameter (float32 for
         bf16, fp16 and float32, float64 for float64); the clip factors carry
@@ -394,7 +447,7 @@ class TrainStep:
 
     def unclipped_count(self, state: TrainState, stats: ExampleStats) -> Tensor:
         """The count of unclipped examples in a logical batch: adaptive clipping's statistic."""
-        return unclipped_count(stats.norm, state.clip_norm, stats.mask)
+        return unclipped_count(stats.norm, state.clip_state.clip_norm, stats.mask)
 
     def all_reduce(self, summed: Params, *, step: int | Tensor | None = None) -> Params:
         """The clipped sum of the whole logical batch: ``summed`` summed over ranks.
@@ -428,6 +481,7 @@ class TrainStep:
         same on every rank (same seed and step), and ``count`` (adaptive
         clipping) the whole logical batch's.
         """
+        check_state(state)
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
         reduced = self.all_reduce(summed, step=state.step)
@@ -445,16 +499,19 @@ class TrainStep:
 
         ``summed`` is the whole logical batch's (already reduced over the
         ranks); no collective, so it compiles with ``fullgraph=True``.
-        With ``bands > 1`` the noise added is the correlated draw
-        :func:`~dpfunc.matrix_factorization.correlated_noise` makes from
-        ``noise`` and ``state.noise_history`` (the banded square root,
-        normalised to unit column norm), and the new state carries the
-        updated history; ``noise`` is still the step's independent
-        standard-normal tree. With adaptive clipping, also releases ``count`` (from
-        :meth:`unclipped_count`) with noise ``count_noise_multiplier *
-        count_noise`` (``count_noise``: a standard normal 0-d tensor from
-        ``standard_normal_like(..., stream="count")``) and moves
-        ``state.clip_norm`` by :func:`dpfunc.clipping.adaptive_clip_norm`.
+        The noise added is what the config's noise mechanism
+        (``self.noise_mechanism``) makes of ``noise``, the step's
+        independent standard-normal tree, and ``state.noise_state``: the
+        tree itself for DP-SGD, with ``bands > 1`` the correlated draw of
+        the banded square root normalised to unit column norm
+        (:func:`~dpfunc.matrix_factorization.banded_noise`), its history
+        carried in the new state. The clip mechanism
+        (``self.clip_mechanism``) moves ``state.clip_state``: with adaptive
+        clipping it releases ``count`` (from :meth:`unclipped_count`) with
+        noise ``count_noise_multiplier * count_noise`` (``count_noise``: a
+        standard normal 0-d tensor from ``standard_normal_like(...,
+        stream="count")``) and updates the clip norm by
+        :func:`dpfunc.clipping.adaptive_clip_norm`; a fixed clip norm stays.
 
         The noise is added and the average taken in ``summed``'s dtype
         (float64 from :meth:`zeros` and :meth:`accumulate`); the result is
@@ -464,33 +521,19 @@ class TrainStep:
         """
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
-        clip_norm = state.clip_norm
-        std = self.noise_std
-        if self.adaptive:
-            if count is None or count_noise is None:
-                raise ValueError(
-                    "adaptive clipping releases the unclipped count with its own noise: pass "
-                    "count=step.unclipped_count(state, stats) and count_noise"
-                )
-            std = self.noise_multiplier * state.clip_norm
-            noisy_count = count + self.count_noise_multiplier * count_noise
-            clip_norm = adaptive_clip_norm(
-                state.clip_norm,
-                noisy_count,
-                self.expected_batch_size,
-                self.target_quantile,
-                self.quantile_learning_rate,
-            )
-        history = state.noise_history
-        if self.bands > 1:
-            noise, history = solve_recurrence(noise, history, self.coefficients)
+        # adaptive clipping: this step's noise follows the clip norm it clipped at
+        std = (
+            self.noise_multiplier * state.clip_state.clip_norm if self.adaptive else self.noise_std
+        )
+        clip_state = self.clip_mechanism.update(count, count_noise, state.clip_state)
+        noise, noise_state = self.noise_mechanism.update(noise, state.noise_state)
         private = average(add_noise(summed, noise, std), self.expected_batch_size)
         # rounded only after the noise (a post-processing), to float32 for half-precision
         # parameters: the optimizer keeps its state and forms its update in float32
         private = tree_map(lambda u, p: u.to(accumulation_dtype(p.dtype)), private, state.params)
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1, clip_norm, history)
+        return TrainState(params, opt_state, state.step + 1, clip_state, noise_state)
 
     def draw_noise(
         self, params: Params, *, seed: int, step: int, secure: bool | None = None
@@ -547,7 +590,10 @@ class TrainStep:
             The new state and the whole logical batch's per-example stats
             (:func:`summarize` them; NOT private).
         """
-        adaptive = (state.clip_norm,) if self.adaptive else ()  # the clip norm it follows
+        check_state(state)
+        adaptive = (
+            (state.clip_state.clip_norm,) if self.adaptive else ()
+        )  # the clip norm it follows
         summed, stats = self.zeros(state.params), []
         for batch, mask in micro_batches:
             summed, part = self._accumulate(summed, state.params, batch, mask, *adaptive)
@@ -576,8 +622,9 @@ class TrainStep:
         clipping's count cover the whole logical batch (all ranks' stats).
         Pure on one process; ``torch.compile(step, fullgraph=True)`` compiles it.
         """
+        check_state(state)
         check_same_structure(noise, state.params, "noise", "params")
-        clip_norm = state.clip_norm if self.adaptive else None
+        clip_norm = state.clip_state.clip_norm if self.adaptive else None
         summed, stats = self.accumulate(
             self.zeros(state.params), state.params, batch, mask, clip_norm
         )
@@ -654,7 +701,7 @@ def make_train_step(
             (automatic clipping, Bu et al. 2022, factor ``C / (norm +
             0.01)``), each bounding an example's whole contribution by ``C``;
             ``target_quantile`` (adaptive clipping, Andrew et al. 2021:
-            ``state.clip_norm`` starts at ``clip_norm`` and after each step
+            ``state.clip_state`` starts at ``clip_norm`` and after each step
             moves by ``exp(-quantile_learning_rate * (noisy_count /
             expected_batch_size - gamma))``, where ``noisy_count`` is the
             logical batch's count of unclipped examples plus
@@ -665,7 +712,7 @@ def make_train_step(
             factorization, DP-BandMF, Kalinin and Lampert 2024: step ``t``
             adds ``sigma * C * w_t`` with ``w = C^{-1} z`` for the strategy
             normalised to unit column norm, keeping the last ``b - 1`` draws
-            in ``state.noise_history``; needs cyclic Poisson sampling,
+            in ``state.noise_state``; needs cyclic Poisson sampling,
             ``config.sampler``, and ``expected_batch_size = sample_rate *
             num_examples / b``).
         model: the ``nn.Module`` that ``loss_fn`` calls through

@@ -249,7 +249,7 @@ class Trainer:
     @property
     def clip_norm(self) -> float:
         """The clip norm of the next step (it moves with adaptive clipping)."""
-        return float(self.state.clip_norm)
+        return float(self.state.clip_state.clip_norm)
 
     @property
     def steps_done(self) -> int:

@@ -10,6 +10,7 @@ from torch._dynamo.testing import CompileCounter
 import dpfunc
 from dpfunc import accounting, audit, data
 from dpfunc.matrix_factorization import (
+    banded_noise,
     banded_sqrt_coefficients,
     column_norm_sensitivity,
     correlated_noise,
@@ -410,7 +411,7 @@ def _banded_audit(bands, *, runs, broken=None, sigma=2.0, rounds=2, canaries=100
     coefficients = step.coefficients
     sampler_bands = bands
     if broken == "sensitivity 1":  # the strategy not divided by its column norm
-        step.coefficients = banded_sqrt_coefficients(bands)
+        step.noise_mechanism = banded_noise(banded_sqrt_coefficients(bands))
     elif broken == "poisson":  # every example in every step, accounted as cyclic
         sampler_bands = 1
     g = torch.Generator().manual_seed(0)
