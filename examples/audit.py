@@ -75,7 +75,7 @@ class RealisedBatchStep(dpfunc.TrainStep):
             dpfunc.average(noisy, self.count), state.opt_state, state.params
         )
         params = optim.apply_updates(state.params, updates)
-        return dpfunc.TrainState(params, opt_state, state.step + 1, state.clip_norm)
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1)
 
 
 def bound(canary, step, runs, *, seed=None, attacker_seed=None):

@@ -269,7 +269,7 @@ class RealisedBatchSizeStep(dpfunc.TrainStep):
         private = dpfunc.average(noisy, float(self.count))
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        return dpfunc.TrainState(params, opt_state, state.step + 1, state.clip_norm)
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1)
 
 
 def test_realised_batch_size_denominator_is_caught():
