@@ -1,3 +1,4 @@
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -83,3 +84,41 @@ def classification_data():
     """The factory ``make_classification_data(n, dtype=torch.float64, seed=1, scale=1.0)``,
     which returns ``(x, y)``."""
     return make_classification_data
+
+
+class TinyProblem(NamedTuple):
+    """The one-example loss, its parameters as a dict, the data set ``(x, y)`` and the module."""
+
+    loss_fn: Callable
+    params: dict
+    dataset: tuple
+    model: nn.Module
+
+
+def make_tiny_problem(n=120, *, seed=0, hidden=8, nan_rows=0):
+    """A two-layer tanh network on 4 features and 2 classes (``hidden`` units), in float32, and
+    ``n`` standard normal examples labelled by the sign of their first feature.
+
+    The global seed is set to ``seed`` before the module is built; the features come from a
+    generator seeded with ``seed``. The first ``nan_rows`` rows of ``x`` are NaN (their labels
+    were drawn before). ``loss_fn(params, (x, y))`` is the cross-entropy of one example.
+    """
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, hidden), nn.Tanh(), nn.Linear(hidden, 2))
+    params, buffers = dpfunc.functionalize(model)
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(seed))
+    y = (x[:, 0] > 0).long()
+    x[:nan_rows] = math.nan
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (xi[None],)), yi[None])
+
+    return TinyProblem(loss_fn, params, (x, y), model)
+
+
+@pytest.fixture
+def tiny_problem():
+    """The factory ``make_tiny_problem(n=120, *, seed=0, hidden=8, nan_rows=0) -> (loss_fn,
+    params, (x, y), model)``: a fresh module and data set on each call."""
+    return make_tiny_problem

@@ -5,14 +5,12 @@ bit; it is public, as the data is: a fixed seed is for tests and research only.
 """
 
 import dataclasses
+import functools
 import math
 import re
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.func import functional_call
 
 import dpfunc
 from dpfunc import accounting
@@ -30,28 +28,25 @@ def config(**overrides):
     return dpfunc.DPConfig(**{**BASE, **overrides})
 
 
-def problem(n=N):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    params, buffers = dpfunc.functionalize(model)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(n, 4, generator=g)
-    y = (x[:, 0] > 0).long()
-
-    def loss_fn(p, example):
-        xi, yi = example
-        return F.cross_entropy(functional_call(model, (p, buffers), (xi.unsqueeze(0),)), yi[None])
-
-    return loss_fn, params, (x, y)
+@pytest.fixture
+def problem(tiny_problem):
+    """``tiny_problem(N)`` with 6 hidden units: ``(loss_fn, params, (x, y), model)``."""
+    return functools.partial(tiny_problem, N, hidden=6)
 
 
-def trainer(config=None, **keywords):
-    loss_fn, params, dataset = problem()
-    settings = {"config": config} if config is not None else {}
-    return dpfunc.Trainer(
-        loss_fn, params, dataset, optimizer=dpfunc.optim.sgd(lr=0.5, momentum=0.5),
-        physical_batch_size=16, progress=False, seed=SEED, **settings, **keywords,
-    )  # fmt: skip
+@pytest.fixture
+def trainer(problem):
+    """A Trainer on ``problem()`` with the public ``SEED``, from ``config`` or from keywords."""
+
+    def trainer(config=None, **keywords):
+        loss_fn, params, dataset, _ = problem()
+        settings = {"config": config} if config is not None else {}
+        return dpfunc.Trainer(
+            loss_fn, params, dataset, optimizer=dpfunc.optim.sgd(lr=0.5, momentum=0.5),
+            physical_batch_size=16, progress=False, seed=SEED, **settings, **keywords,
+        )  # fmt: skip
+
+    return trainer
 
 
 # -- validated once, when it is built ---------------------------------------------------------
@@ -211,7 +206,7 @@ def test_calibrated_warns_about_a_delta_that_allows_releasing_an_example():
     ],
     ids=["sigma", "target_epsilon", "adaptive", "bands"],
 )
-def test_the_accountant_records_the_configs_event_every_step(settings):
+def test_the_accountant_records_the_configs_event_every_step(settings, trainer):
     planned = config(**{"epochs": 1, "delta": 1e-4, "accounting": "rdp", **settings})
     run = trainer(planned)
     run.fit(max_steps=3)
@@ -227,10 +222,10 @@ def test_the_accountant_records_the_configs_event_every_step(settings):
 
 
 @pytest.mark.parametrize("bands", [1, 2])
-def test_the_sampler_is_the_one_the_trainer_draws_from(bands):
+def test_the_sampler_is_the_one_the_trainer_draws_from(bands, trainer, problem):
     planned = config(epochs=1, bands=bands, expected_batch_size=10, accounting="rdp")
     run = trainer(planned)
-    _, _, dataset = problem()
+    _, _, dataset, _ = problem()
     sampler = planned.sampler(dataset, run.batches.physical_batch_size, seed=SEED)
     assert isinstance(sampler, PoissonBatches) and isinstance(run.batches, PoissonBatches)
     assert sampler.sample_rate == run.batches.sample_rate == planned.sample_rate(N)
@@ -258,8 +253,8 @@ FORMS = [
 
 
 @pytest.mark.parametrize("settings", FORMS, ids=[repr(s) for s in FORMS])
-def test_make_train_step_config_and_keywords_are_bit_identical(settings):
-    loss_fn, params, (x, y) = problem()
+def test_make_train_step_config_and_keywords_are_bit_identical(settings, problem):
+    loss_fn, params, (x, y), _ = problem()
     keywords = {**BASE, **settings}
     steps = [
         dpfunc.make_train_step(loss_fn, dpfunc.optim.adam(1e-2), dpfunc.DPConfig(**keywords)),
@@ -289,7 +284,7 @@ def test_make_train_step_config_and_keywords_are_bit_identical(settings):
     ],
     ids=["target_epsilon", "adaptive"],
 )
-def test_trainer_config_and_keywords_are_bit_identical(settings):
+def test_trainer_config_and_keywords_are_bit_identical(settings, trainer):
     keywords = {**BASE, "epochs": 1, "delta": 1e-4, "accounting": "rdp", **settings}
     runs = [trainer(dpfunc.DPConfig(**keywords)), trainer(**keywords)]
     histories = [run.fit() for run in runs]
@@ -299,8 +294,8 @@ def test_trainer_config_and_keywords_are_bit_identical(settings):
         assert torch.equal(value, runs[1].params[key])
 
 
-def test_config_and_privacy_keywords_are_not_mixed():
-    loss_fn, params, dataset = problem()
+def test_config_and_privacy_keywords_are_not_mixed(trainer, problem):
+    loss_fn, params, dataset, _ = problem()
     opt = dpfunc.optim.sgd(lr=0.1)
     settings = config()
     with pytest.raises(TypeError, match=r"not both.*\['noise_multiplier'\]"):
@@ -313,8 +308,8 @@ def test_config_and_privacy_keywords_are_not_mixed():
         dpfunc.make_train_step(loss_fn, opt, dict(BASE))
 
 
-def test_an_unknown_keyword_is_refused_with_the_valid_names():
-    loss_fn, _, _ = problem()
+def test_an_unknown_keyword_is_refused_with_the_valid_names(trainer, problem):
+    loss_fn, *_ = problem()
     names = [field.name for field in dataclasses.fields(dpfunc.DPConfig)]
     with pytest.raises(TypeError, match=r"\['clip_nrom'\]") as caught:
         dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), **BASE, clip_nrom=2.0)
@@ -327,8 +322,8 @@ def test_an_unknown_keyword_is_refused_with_the_valid_names():
 # -- the replaced distributed step class -----------------------------------------------
 
 
-def test_distributed_train_step_names_its_replacement_and_still_tells_a_distributed_step():
-    loss_fn, _, _ = problem()
+def test_distributed_train_step_names_its_replacement_and_still_tells_a_distributed_step(problem):
+    loss_fn, *_ = problem()
     opt = dpfunc.optim.sgd(lr=0.1)
     with pytest.raises(TypeError, match=re.escape("dpfunc.distributed.make_train_step")):
         dpfunc.distributed.DistributedTrainStep(loss_fn, opt, config())

@@ -14,41 +14,35 @@ import warnings
 import optree
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.func import functional_call
 
 import dpfunc
 
 N = 160
 
 
-def build(seed=None, **overrides):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    params, buffers = dpfunc.functionalize(model)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(N, 4, generator=g)
-    y = (x[:, 0] > 0).long()
+@pytest.fixture
+def build(tiny_problem):
+    """A Trainer on ``tiny_problem(N)`` with these tests' settings and ``seed``, ``overrides``
+    replacing them."""
 
-    def loss_fn(p, example):
-        xi, yi = example
-        return F.cross_entropy(functional_call(model, (p, buffers), (xi[None],)), yi[None])
+    def build(seed=None, **overrides):
+        loss_fn, params, dataset, _ = tiny_problem(N)
+        settings = dict(
+            optimizer=dpfunc.optim.adam(lr=0.05),
+            epochs=2,
+            expected_batch_size=8,
+            clip_norm=1.0,
+            noise_multiplier=0.9,
+            delta=1e-4,
+            physical_batch_size=8,
+            progress=False,
+            accounting="rdp",
+            seed=seed,
+        )
+        settings.update(overrides)
+        return dpfunc.Trainer(loss_fn, params, dataset, **settings)
 
-    settings = dict(
-        optimizer=dpfunc.optim.adam(lr=0.05),
-        epochs=2,
-        expected_batch_size=8,
-        clip_norm=1.0,
-        noise_multiplier=0.9,
-        delta=1e-4,
-        physical_batch_size=8,
-        progress=False,
-        accounting="rdp",
-        seed=seed,
-    )
-    settings.update(overrides)
-    return dpfunc.Trainer(loss_fn, params, (x, y), **settings)
+    return build
 
 
 def same_state(a, b):
@@ -69,7 +63,7 @@ CASES = [
 
 @pytest.mark.parametrize("given_seed", [False, True], ids=["secret", "given"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
-def test_continuation_is_bit_identical(tmp_path, case, given_seed):
+def test_continuation_is_bit_identical(tmp_path, case, given_seed, build):
     seed = 987654321 if given_seed else None  # a fixed seed: reproducible, not private
     whole = build(seed=seed, **case)
     whole.fit(max_steps=6)
@@ -92,7 +86,7 @@ def test_continuation_is_bit_identical(tmp_path, case, given_seed):
 
 
 @pytest.mark.parametrize("bands", [4, 16])
-def test_participations_stay_bands_apart_across_a_resume(tmp_path, bands):
+def test_participations_stay_bands_apart_across_a_resume(tmp_path, bands, build):
     first = build(bands=bands, epochs=3)
     first.fit(max_steps=5)
     first.save(tmp_path / "run.pt")
@@ -120,7 +114,7 @@ def test_partitions_follow_the_seed_of_the_sampler():
     assert all(torch.equal(a, b) for a, b in zip(batches.partitions, expected))
 
 
-def test_other_privacy_settings_are_refused_with_every_difference(tmp_path):
+def test_other_privacy_settings_are_refused_with_every_difference(tmp_path, build):
     path = tmp_path / "run.pt"
     build(bands=4).save(path)
     other = build(bands=2, expected_batch_size=10, clip_norm=2.0, noise_multiplier=1.1)
@@ -142,7 +136,7 @@ def test_other_privacy_settings_are_refused_with_every_difference(tmp_path):
         ).load(path)  # fmt: skip
 
 
-def test_an_existing_checkpoint_path_is_resumed_not_overwritten(tmp_path):
+def test_an_existing_checkpoint_path_is_resumed_not_overwritten(tmp_path, build):
     path = tmp_path / "run.pt"
     first = build(bands=4, checkpoint_path=path)
     first.fit(max_steps=7)  # saved at its last step

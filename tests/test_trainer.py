@@ -12,39 +12,33 @@ import dpfunc
 from dpfunc import accounting
 
 
-def problem(n=120, seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    params, buffers = dpfunc.functionalize(model)
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 4, generator=g)
-    y = (x[:, 0] > 0).long()
+@pytest.fixture
+def make(tiny_problem):
+    """A Trainer on ``tiny_problem()`` with these tests' settings, ``overrides`` replacing them
+    (``loss_fn`` and ``params`` too)."""
 
-    def loss_fn(p, example):
-        xi, yi = example
-        return F.cross_entropy(functional_call(model, (p, buffers), (xi.unsqueeze(0),)), yi[None])
+    def make(**overrides):
+        loss_fn, params, dataset, _ = tiny_problem()
+        kwargs = dict(
+            loss_fn=loss_fn,
+            params=params,
+            optimizer=dpfunc.optim.sgd(lr=0.5, momentum=0.5),
+            epochs=2,
+            expected_batch_size=20,
+            clip_norm=1.0,
+            noise_multiplier=0.8,
+            delta=1e-4,
+            physical_batch_size=16,
+            progress=False,
+            accounting="rdp",  # PLD is checked once below; RDP is 10x faster
+        )
+        kwargs.update(overrides)
+        return dpfunc.Trainer(kwargs.pop("loss_fn"), kwargs.pop("params"), dataset, **kwargs)
 
-    return loss_fn, params, (x, y)
-
-
-def make(**overrides):
-    loss_fn, params, dataset = problem()
-    kwargs = dict(
-        optimizer=dpfunc.optim.sgd(lr=0.5, momentum=0.5),
-        epochs=2,
-        expected_batch_size=20,
-        clip_norm=1.0,
-        noise_multiplier=0.8,
-        delta=1e-4,
-        physical_batch_size=16,
-        progress=False,
-        accounting="rdp",  # PLD is checked once below; RDP is 10x faster
-    )
-    kwargs.update(overrides)
-    return dpfunc.Trainer(loss_fn, params, dataset, **kwargs)
+    return make
 
 
-def test_fit_trains_accounts_every_step_and_records_history():
+def test_fit_trains_accounts_every_step_and_records_history(make):
     evaluated = []
     trainer = make(
         accounting="pld",
@@ -59,7 +53,7 @@ def test_fit_trains_accounts_every_step_and_records_history():
     assert int(trainer.state.step) == 12
 
 
-def test_target_epsilon_is_calibrated_and_never_exceeded():
+def test_target_epsilon_is_calibrated_and_never_exceeded(make):
     trainer = make(noise_multiplier=None, target_epsilon=2.0)
     expected_sigma = accounting.calibrate_noise_multiplier(2.0, 1e-4, 20 / 120, 12, method="rdp")
     assert trainer.noise_multiplier == pytest.approx(expected_sigma)
@@ -67,7 +61,7 @@ def test_target_epsilon_is_calibrated_and_never_exceeded():
     assert trainer.epsilon() <= 2.0
 
 
-def test_budget_stops_before_a_step_would_exceed_it():
+def test_budget_stops_before_a_step_would_exceed_it(make):
     budget = accounting.epsilon(0.8, 20 / 120, 7, 1e-4, method="rdp") * 1.0001
     trainer = make(epsilon_budget=budget)
     trainer.fit()
@@ -76,7 +70,7 @@ def test_budget_stops_before_a_step_would_exceed_it():
     assert accounting.epsilon(0.8, 20 / 120, 8, 1e-4, method="rdp") > budget
 
 
-def test_a_stop_between_epochs_records_the_final_epsilon():
+def test_a_stop_between_epochs_records_the_final_epsilon(make):
     budget = accounting.epsilon(0.8, 20 / 120, 9, 1e-4, method="rdp") * 1.0001
     trainer = make(epsilon_budget=budget)  # epochs of 6 steps: stops in the second
     history = trainer.fit()
@@ -87,7 +81,7 @@ def test_a_stop_between_epochs_records_the_final_epsilon():
     assert [h["steps"] for h in paused.fit()] == [4, 6, 12]
 
 
-def test_train_step_refuses_to_pass_the_budget_or_the_plan():
+def test_train_step_refuses_to_pass_the_budget_or_the_plan(make):
     budget = accounting.epsilon(0.8, 20 / 120, 3, 1e-4, method="rdp") * 1.0001
     trainer = make(epsilon_budget=budget)
     for _ in range(3):
@@ -101,7 +95,7 @@ def test_train_step_refuses_to_pass_the_budget_or_the_plan():
         planned.train_step()
 
 
-def test_eval_values_are_stored_as_floats_or_refused():
+def test_eval_values_are_stored_as_floats_or_refused(make):
     import numpy as np
 
     history = make(eval_fn=lambda p: {"acc": np.float64(0.5)}).fit()
@@ -111,7 +105,7 @@ def test_eval_values_are_stored_as_floats_or_refused():
 
 
 @pytest.mark.filterwarnings("ignore:noise_multiplier=.* exceeds expected_batch_size")
-def test_empty_poisson_batches_are_steps_with_noise_only():
+def test_empty_poisson_batches_are_steps_with_noise_only(make):
     # five steps; a public seed whose five samples are all empty
     trainer = make(expected_batch_size=0.01, epochs=0.01 / 120 * 5, seed=0)
     sizes = [trainer.batches.counts_per_rank(t)[0] for t in range(trainer.total_steps)]
@@ -122,7 +116,7 @@ def test_empty_poisson_batches_are_steps_with_noise_only():
     assert any(not torch.equal(before[k], trainer.params[k]) for k in before)  # noise moved it
 
 
-def test_oversized_batches_use_several_micro_batches():
+def test_oversized_batches_use_several_micro_batches(make):
     trainer = make(physical_batch_size=4, epochs=1)
     counts = [trainer.batches.micro_batch_count(t) for t in range(trainer.total_steps)]
     assert max(counts) > 1
@@ -130,7 +124,7 @@ def test_oversized_batches_use_several_micro_batches():
     assert trainer.steps_done == trainer.total_steps
 
 
-def test_resume_is_bit_identical(tmp_path):
+def test_resume_is_bit_identical(tmp_path, make):
     first = make(epochs=3)  # a fresh secret seed
     whole = make(epochs=3, seed=first.seed)  # the same run, uninterrupted
     whole.fit()
@@ -151,7 +145,7 @@ def test_resume_is_bit_identical(tmp_path):
     assert resumed.epsilon() == whole.epsilon()
 
 
-def test_default_seed_is_a_fresh_secret_and_a_given_one_reproduces():
+def test_default_seed_is_a_fresh_secret_and_a_given_one_reproduces(make):
     one, two = make(), make()
     assert one.seed != two.seed and one.seed.bit_length() > 200  # 256 random bits
     assert str(one.seed) not in repr(one.batches)
@@ -164,11 +158,11 @@ def test_default_seed_is_a_fresh_secret_and_a_given_one_reproduces():
     assert all(torch.equal(same[0].params[k], same[1].params[k]) for k in one.params)
 
 
-def test_noise_drawn_ahead_changes_no_bit():
+def test_noise_drawn_ahead_changes_no_bit(make, tiny_problem):
     """The trainer draws step t+1's noise while step t runs; a plain loop draws it in turn."""
     trainer = make(epochs=1)
     trainer.fit()
-    loss_fn, params, dataset = problem()
+    loss_fn, params, dataset, _ = tiny_problem()
     step = dpfunc.make_train_step(
         loss_fn,
         dpfunc.optim.sgd(lr=0.5, momentum=0.5),
@@ -186,7 +180,7 @@ def test_noise_drawn_ahead_changes_no_bit():
     assert all(torch.equal(state.params[k], trainer.params[k]) for k in params)
 
 
-def test_a_checkpoint_of_another_seed_is_refused_without_printing_either(tmp_path):
+def test_a_checkpoint_of_another_seed_is_refused_without_printing_either(tmp_path, make):
     path = tmp_path / "ck.pt"
     secret = dpfunc.secret_seed()
     make(seed=secret).save(path)
@@ -199,7 +193,7 @@ def test_a_checkpoint_of_another_seed_is_refused_without_printing_either(tmp_pat
     assert torch.load(path, weights_only=True)["config"]["seed"] == secret
 
 
-def test_a_fresh_trainer_refuses_a_checkpoint_of_a_fixed_seed(tmp_path):
+def test_a_fresh_trainer_refuses_a_checkpoint_of_a_fixed_seed(tmp_path, make):
     """Adopting it would silently continue a run whose noise anyone with the seed removes."""
     path = tmp_path / "ck.pt"
     fixed = make(seed=0)  # a public seed: reproducible, not private
@@ -212,7 +206,7 @@ def test_a_fresh_trainer_refuses_a_checkpoint_of_a_fixed_seed(tmp_path):
     assert again.steps_done == 2
 
 
-def test_checkpoints_of_the_public_default_seed_era_are_refused(tmp_path):
+def test_checkpoints_of_the_public_default_seed_era_are_refused(tmp_path, make):
     path = tmp_path / "v1.pt"
     trainer = make()
     trainer.save(path)
@@ -224,7 +218,7 @@ def test_checkpoints_of_the_public_default_seed_era_are_refused(tmp_path):
         make().load(path)
 
 
-def test_secure_noise_without_cryptography_fails_at_construction(monkeypatch):
+def test_secure_noise_without_cryptography_fails_at_construction(monkeypatch, make):
     import sys
 
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.ciphers", None)
@@ -232,7 +226,7 @@ def test_secure_noise_without_cryptography_fails_at_construction(monkeypatch):
         make(secure_noise=True)
 
 
-def test_checkpoint_written_during_fit_resumes(tmp_path):
+def test_checkpoint_written_during_fit_resumes(tmp_path, make):
     path = tmp_path / "ck.pt"
     trainer = make(checkpoint_path=path, checkpoint_every=5)
     trainer.fit()
@@ -243,7 +237,7 @@ def test_checkpoint_written_during_fit_resumes(tmp_path):
     assert again.history == trainer.history
 
 
-def test_bad_or_mismatched_checkpoints_raise_and_leave_state(tmp_path):
+def test_bad_or_mismatched_checkpoints_raise_and_leave_state(tmp_path, make, tiny_problem):
     trainer = make()
     trainer.fit()
     path = tmp_path / "ck.pt"
@@ -262,21 +256,12 @@ def test_bad_or_mismatched_checkpoints_raise_and_leave_state(tmp_path):
         fresh.load(corrupt)
     assert fresh.steps_done == 0
 
-    loss_fn, params, dataset = problem()
-    params = {**params, "extra": torch.zeros(3)}
-    wider = dpfunc.Trainer(
-        lambda p, ex: loss_fn({k: v for k, v in p.items() if k != "extra"}, ex) + p["extra"].sum(),
-        params,
-        dataset,
-        optimizer=dpfunc.optim.sgd(lr=0.5, momentum=0.5),
-        epochs=2,
-        expected_batch_size=20,
-        clip_norm=1.0,
-        noise_multiplier=0.8,
-        delta=1e-4,
-        physical_batch_size=16,
-        progress=False,
-        accounting="rdp",
+    loss_fn, params, _, _ = tiny_problem()
+    wider = make(
+        loss_fn=lambda p, ex: (
+            loss_fn({k: v for k, v in p.items() if k != "extra"}, ex) + p["extra"].sum()
+        ),
+        params={**params, "extra": torch.zeros(3)},
     )
     with pytest.raises(ValueError, match="do not match"):
         wider.load(path)
@@ -295,7 +280,7 @@ def test_bad_or_mismatched_checkpoints_raise_and_leave_state(tmp_path):
     assert path.read_bytes() == good_bytes  # a failed load never touches the file
 
 
-def test_save_replaces_atomically(tmp_path, monkeypatch):
+def test_save_replaces_atomically(tmp_path, monkeypatch, make):
     trainer = make()
     path = tmp_path / "ck.pt"
     trainer.save(path)
@@ -312,7 +297,7 @@ def test_save_replaces_atomically(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
 
 
-def test_default_delta_is_below_one_over_n_and_large_delta_warns():
+def test_default_delta_is_below_one_over_n_and_large_delta_warns(make):
     trainer = make(delta=None)
     assert trainer.delta < 1 / 120
     with pytest.warns(UserWarning, match="delta"):
@@ -338,12 +323,12 @@ def test_default_delta_is_below_one_over_n_and_large_delta_warns():
         (dict(secure_noise=1), "secure_noise must be a bool, got secure_noise=1"),
     ],
 )
-def test_bad_arguments_raise(overrides, match):
+def test_bad_arguments_raise(overrides, match, make):
     with pytest.raises(ValueError, match=match):
         make(**overrides)
 
 
-def test_progress_bar_shows_loss_epsilon_and_throughput(capsys):
+def test_progress_bar_shows_loss_epsilon_and_throughput(capsys, make):
     trainer = make(progress=True, epochs=1)
     trainer.fit()
     err = capsys.readouterr().err
@@ -351,7 +336,7 @@ def test_progress_bar_shows_loss_epsilon_and_throughput(capsys):
     assert math.isfinite(trainer.epsilon())
 
 
-def test_adaptive_clipping_follows_the_quantile_and_accounts_the_count():
+def test_adaptive_clipping_follows_the_quantile_and_accounts_the_count(make):
     trainer = make(
         target_quantile=0.5,
         quantile_learning_rate=1.0,
@@ -369,7 +354,7 @@ def test_adaptive_clipping_follows_the_quantile_and_accounts_the_count():
     assert history[-1]["clip_norm"] == trainer.clip_norm
 
 
-def test_adaptive_clipping_calibrates_the_combined_noise_and_resumes(tmp_path):
+def test_adaptive_clipping_calibrates_the_combined_noise_and_resumes(tmp_path, make):
     assert make(target_quantile=0.5).step_fn.count_noise_multiplier == 20 / 20  # the default
     settings = dict(
         target_quantile=0.5,
@@ -412,7 +397,7 @@ def test_adaptive_clipping_calibrates_the_combined_noise_and_resumes(tmp_path):
         ),
     ],
 )  # fmt: skip
-def test_adaptive_clipping_rejects_what_it_cannot_do(overrides, match):
+def test_adaptive_clipping_rejects_what_it_cannot_do(overrides, match, make):
     with pytest.raises(ValueError, match=match):
         make(**overrides)
 

@@ -6,45 +6,34 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.func import functional_call
 
 import dpfunc
 from dpfunc import accounting
 
 
-def problem(n=120, nan_rows=0):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-    params, buffers = dpfunc.functionalize(model)
-    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
-    y = (x[:, 0] > 0).long()
-    x[:nan_rows] = math.nan
+@pytest.fixture
+def make(tiny_problem):
+    """A Trainer on ``tiny_problem(nan_rows=nan_rows)`` with these tests' settings, ``overrides``
+    replacing them (``params`` and ``dataset`` too)."""
 
-    def loss_fn(p, example):
-        xi, yi = example
-        return F.cross_entropy(functional_call(model, (p, buffers), (xi[None],)), yi[None])
+    def make(nan_rows=0, **overrides):
+        loss_fn, params, dataset, _ = tiny_problem(nan_rows=nan_rows)
+        kwargs = dict(
+            optimizer=dpfunc.optim.sgd(lr=0.5),
+            epochs=2,
+            expected_batch_size=20,
+            clip_norm=1.0,
+            noise_multiplier=0.8,
+            delta=1e-4,
+            progress=False,
+            accounting="rdp",
+        )
+        kwargs.update(overrides)
+        params = kwargs.pop("params", params)
+        dataset = kwargs.pop("dataset", dataset)
+        return dpfunc.Trainer(loss_fn, params, dataset, **kwargs)
 
-    return loss_fn, params, (x, y)
-
-
-def make(nan_rows=0, **overrides):
-    loss_fn, params, dataset = problem(nan_rows=nan_rows)
-    kwargs = dict(
-        optimizer=dpfunc.optim.sgd(lr=0.5),
-        epochs=2,
-        expected_batch_size=20,
-        clip_norm=1.0,
-        noise_multiplier=0.8,
-        delta=1e-4,
-        progress=False,
-        accounting="rdp",
-    )
-    kwargs.update(overrides)
-    params = kwargs.pop("params", params)
-    dataset = kwargs.pop("dataset", dataset)
-    return dpfunc.Trainer(loss_fn, params, dataset, **kwargs)
+    return make
 
 
 @pytest.mark.parametrize(
@@ -67,12 +56,12 @@ def make(nan_rows=0, **overrides):
          "checkpoint_path='/nonexistent-dir/run.pt' is in a directory that does not exist"),
     ],
 )  # fmt: skip
-def test_bad_arguments_fail_at_construction(overrides, error, match):
+def test_bad_arguments_fail_at_construction(overrides, error, match, make):
     with pytest.raises(error, match=match):
         make(**overrides)
 
 
-def test_calibration_is_not_run_for_an_infinite_clip_norm(monkeypatch):
+def test_calibration_is_not_run_for_an_infinite_clip_norm(monkeypatch, make):
     def fail(*args, **kwargs):
         raise AssertionError("calibrated before the arguments were checked")
 
@@ -81,7 +70,7 @@ def test_calibration_is_not_run_for_an_infinite_clip_norm(monkeypatch):
         make(clip_norm=math.inf, noise_multiplier=None, target_epsilon=1.0)
 
 
-def test_a_budget_of_one_step_is_accepted_and_its_epsilon_is_in_the_message():
+def test_a_budget_of_one_step_is_accepted_and_its_epsilon_is_in_the_message(make):
     one = accounting.epsilon(0.8, 20 / 120, 1, 1e-4, method="rdp")
     trainer = make(epsilon_budget=one * 1.0001)
     assert trainer.fit() and trainer.steps_done == 1
@@ -89,12 +78,12 @@ def test_a_budget_of_one_step_is_accepted_and_its_epsilon_is_in_the_message():
         make(epsilon_budget=one * 0.999)
 
 
-def test_a_hopeless_noise_level_warns():
+def test_a_hopeless_noise_level_warns(make):
     with pytest.warns(UserWarning, match="exceeds expected_batch_size=20"):
         make(noise_multiplier=None, target_epsilon=1e-4)
 
 
-def test_eval_fn_must_return_a_dict():
+def test_eval_fn_must_return_a_dict(make):
     trainer = make(eval_fn=lambda params: 0.5)
     with pytest.raises(TypeError, match="eval_fn must return a dict of numbers.* got 0.5"):
         trainer.fit()
@@ -112,7 +101,7 @@ def test_rdp_accounting_prints_nothing(capfd, caplog):
 # -- non-finite examples ----------------------------------------------------------
 
 
-def test_all_nan_data_raises_at_the_first_step():
+def test_all_nan_data_raises_at_the_first_step(make):
     trainer = make(nan_rows=120)
     before = {k: v.clone() for k, v in trainer.params.items()}
     with pytest.raises(FloatingPointError, match="every example of the step"):
@@ -121,7 +110,7 @@ def test_all_nan_data_raises_at_the_first_step():
     assert all(torch.equal(before[k], trainer.params[k]) for k in before)
 
 
-def test_some_nan_examples_warn_once_and_are_counted():
+def test_some_nan_examples_warn_once_and_are_counted(make):
     trainer = make(nan_rows=30)
     with pytest.warns(RuntimeWarning, match="non-finite .* NaN or inf in the data") as caught:
         history = trainer.fit()
@@ -131,13 +120,13 @@ def test_some_nan_examples_warn_once_and_are_counted():
     assert all(math.isfinite(float(v.sum())) for v in trainer.params.values())
 
 
-def test_nonfinite_error_raises_at_the_first_nan_example():
+def test_nonfinite_error_raises_at_the_first_nan_example(make):
     trainer = make(nan_rows=30, nonfinite="error")
     with pytest.raises(FloatingPointError, match="nonfinite='error'"):
         trainer.fit()
 
 
-def test_clean_data_records_zero_and_warns_nothing():
+def test_clean_data_records_zero_and_warns_nothing(make):
     trainer = make()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -145,7 +134,7 @@ def test_clean_data_records_zero_and_warns_nothing():
     assert [record["nonfinite"] for record in history] == [0, 0]
 
 
-def test_more_micro_batches_than_the_clip_margin_covers_are_refused(monkeypatch):
+def test_more_micro_batches_than_the_clip_margin_covers_are_refused(monkeypatch, make):
     monkeypatch.setattr(dpfunc.trainer, "ACCUMULATED_SUMS", 100)
     with pytest.raises(ValueError, match="physical_batch_size=1 could split .* more than 100"):
         make(physical_batch_size=1)
