@@ -289,6 +289,7 @@ class TrainStep:
         use_ghost = model is not None and method != "vmap"
         self._ghost = GhostClipper(model, loss_fn, method) if use_ghost else None
         self._accumulate, self._apply_reduced = self.accumulate, self.apply_reduced
+        self._private_gradient = self.private_gradient
 
     # the settings the mechanisms were built with: read-only, since changing one here
     # would not change the mechanism (build another step from another config)
@@ -330,6 +331,7 @@ class TrainStep:
         """
         self._accumulate = torch.compile(self.accumulate, fullgraph=True)
         self._apply_reduced = torch.compile(self.apply_reduced, fullgraph=True)
+        self._private_gradient = torch.compile(self.private_gradient, fullgraph=True)
         return self
 
     def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
@@ -497,27 +499,49 @@ class TrainStep:
     ) -> TrainState:
         """Noises the logical batch's clipped sum once, averages, and updates.
 
-        ``summed`` is the whole logical batch's (already reduced over the
-        ranks); no collective, so it compiles with ``fullgraph=True``.
-        The noise added is what the config's noise mechanism
-        (``self.noise_mechanism``) makes of ``noise``, the step's
-        independent standard-normal tree, and ``state.noise_state``: the
-        tree itself for DP-SGD, with ``bands > 1`` the correlated draw of
-        the banded square root normalised to unit column norm
-        (:func:`~dpfunc.matrix_factorization.banded_noise`), its history
-        carried in the new state. The clip mechanism
+        :meth:`private_gradient`, then the optimizer's update of the
+        parameters. No collective, so it compiles with ``fullgraph=True``.
+        """
+        private, clip_state, noise_state = self.private_gradient(
+            state, summed, noise, count, count_noise
+        )
+        updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
+        params = optim.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1, clip_state, noise_state)
+
+    def private_gradient(
+        self,
+        state: TrainState,
+        summed: Params,
+        noise: Params,
+        count: Tensor | None = None,
+        count_noise: Tensor | None = None,
+    ) -> tuple[Params, ClipState, NoiseState]:
+        """The private gradient of a logical batch: its clipped sum, noised once, averaged.
+
+        Returns ``(private, clip_state, noise_state)``: ``private`` is
+        ``(summed + noise_std * w) / expected_batch_size`` leaf by leaf, and
+        the mechanisms' next states. ``summed`` is the whole logical batch's
+        (already reduced over the ranks). The noise added is what the
+        config's noise mechanism (``self.noise_mechanism``) makes of
+        ``noise``, the step's independent standard-normal tree, and
+        ``state.noise_state``: the tree itself for DP-SGD, with ``bands > 1``
+        the correlated draw of the banded square root normalised to unit
+        column norm (:func:`~dpfunc.matrix_factorization.banded_noise`), its
+        history carried in the new state. The clip mechanism
         (``self.clip_mechanism``) moves ``state.clip_state``: with adaptive
         clipping it releases ``count`` (from :meth:`unclipped_count`) with
         noise ``count_noise_multiplier * count_noise`` (``count_noise``: a
         standard normal 0-d tensor from ``standard_normal_like(...,
         stream="count")``) and updates the clip norm by
         :func:`dpfunc.clipping.adaptive_clip_norm`; a fixed clip norm stays.
+        Nothing here reads the data beyond ``summed`` and ``count``.
 
         The noise is added and the average taken in ``summed``'s dtype
         (float64 from :meth:`zeros` and :meth:`accumulate`); the result is
-        rounded only then, before the optimizer, to each parameter's
-        accumulation dtype (float32 for half-precision parameters, whose
-        optimizer state and update are float32 too; see :mod:`dpfunc.optim`).
+        rounded only then to each parameter's accumulation dtype (float32 for
+        half-precision parameters, whose optimizer state and update are
+        float32 too; see :mod:`dpfunc.optim`). ``state.opt_state`` is not read.
         """
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
@@ -531,9 +555,7 @@ class TrainStep:
         # rounded only after the noise (a post-processing), to float32 for half-precision
         # parameters: the optimizer keeps its state and forms its update in float32
         private = tree_map(lambda u, p: u.to(accumulation_dtype(p.dtype)), private, state.params)
-        updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
-        params = optim.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1, clip_state, noise_state)
+        return private, clip_state, noise_state
 
     def draw_noise(
         self, params: Params, *, seed: int, step: int, secure: bool | None = None
@@ -590,6 +612,43 @@ class TrainStep:
             The new state and the whole logical batch's per-example stats
             (:func:`summarize` them; NOT private).
         """
+        summed, stats, count = self._logical_sum(state, micro_batches, before_release)
+        counts = (count, noise.count) if self.adaptive else ()
+        return self.apply(state, summed, noise.params, *counts), stats  # reduced over the ranks
+
+    def logical_gradient(
+        self,
+        state: TrainState,
+        micro_batches: Iterable[tuple[PyTree, Tensor]],
+        noise: StepNoise,
+        *,
+        before_release: Callable[[ExampleStats], None] | None = None,
+    ) -> tuple[Params, TrainState, ExampleStats]:
+        """:meth:`logical_step` without the optimizer: the private gradient of a logical batch.
+
+        The same sums, collectives, ``before_release`` and noise as
+        :meth:`logical_step`; returns ``(private, state, stats)`` with
+        ``private`` from :meth:`private_gradient` (in each parameter's
+        accumulation dtype) and ``state`` with the step counted and the
+        mechanisms' states moved (``params`` and ``opt_state`` as they were).
+        :class:`dpfunc.PrivateGradients` writes ``private`` into ``p.grad``.
+        """
+        summed, stats, count = self._logical_sum(state, micro_batches, before_release)
+        reduced = self.all_reduce(summed, step=state.step)
+        counts = (count, noise.count) if self.adaptive else ()
+        private, clip_state, noise_state = self._private_gradient(
+            state, reduced, noise.params, *counts
+        )
+        state = state._replace(step=state.step + 1, clip_state=clip_state, noise_state=noise_state)
+        return private, state, stats
+
+    def _logical_sum(
+        self,
+        state: TrainState,
+        micro_batches: Iterable[tuple[PyTree, Tensor]],
+        before_release: Callable[[ExampleStats], None] | None,
+    ) -> tuple[Params, ExampleStats, Tensor | None]:
+        """This rank's float64 clipped sum, all ranks' stats, and adaptive clipping's count."""
         check_state(state)
         adaptive = (
             (state.clip_state.clip_norm,) if self.adaptive else ()
@@ -602,10 +661,9 @@ class TrainStep:
         stats = self.gather_stats(stats, step=state.step)  # this rank's share -> the whole
         if before_release is not None:
             before_release(stats)
-        if adaptive:  # the whole logical batch's count, noised once from its own stream
-            count = self.unclipped_count(state, stats)
-            return self.apply(state, summed, noise.params, count, noise.count), stats
-        return self.apply(state, summed, noise.params), stats  # reduced over the ranks
+        # the whole logical batch's count, noised once from its own stream
+        count = self.unclipped_count(state, stats) if self.adaptive else None
+        return summed, stats, count
 
     def __call__(
         self,
