@@ -22,18 +22,30 @@ the private gradient, so it is post-processing and costs no privacy.
 Parameters are real floating-point tensors; every hyperparameter is checked
 once, when the transformation is built.
 
+Learning-rate schedules: ``lr`` of :func:`sgd`, :func:`adam` and
+:func:`adamw` is a float or a schedule (:mod:`dpfunc.schedules`), a callable
+of the number of updates already applied. Update number ``k`` (0-based) uses
+``lr(state.count)`` with ``state.count == k``, a 0-d int64 tensor, so a
+compiled step is one graph for every rate; AdamW's decoupled weight decay
+uses the same scheduled rate, as torch.optim does under an LR scheduler.
+:func:`learning_rate` reads the rate the next update will use, for logging.
+:func:`scale` takes a constant factor only: it is stateless and has no count
+(use ``sgd(lr=schedule)`` for scheduled plain gradient descent).
+
 Half precision: for bf16 and fp16 parameters the state (momentum, moments)
 is float32, the incoming gradient is widened to float32, and the update is
 computed and returned in float32; :func:`apply_updates` adds it to the
 parameter in float32 and rounds the sum once to the parameter's dtype. A
 bf16 moment would lose the small terms ``(1 - b2) * g**2`` that float32
 keeps, and ``1 - 0.999**t`` is 0 in bf16. Scalars that depend on the step
-(Adam's bias corrections) are computed in float64 and applied in the state's
-dtype. Float32 and float64 parameters keep their dtype throughout.
+(Adam's bias corrections, a scheduled rate) are computed in float64 and
+applied in the state's dtype. Float32 and float64 parameters keep their dtype throughout.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -44,19 +56,28 @@ from .checks import check_number
 from .tree import Params, PyTree, check_same_structure, tree_map
 
 State = Any  # a NamedTuple (or tuple) of tensors
+# a rate: a float > 0, or a schedule mapping the updates already applied (0-d int64) to a rate
+LearningRate = float | Callable[[Tensor], Tensor | float]
 
 
 class GradientTransformation(NamedTuple):
-    """An optimizer as two pure functions.
+    """An optimizer as two pure functions, and optionally a reader of its rate.
 
     ``init(params) -> state``: the state before the first step.
     ``update(updates, state, params) -> (updates, state)``: maps the incoming
     gradient tree to the tree of updates to ADD to ``params`` (see
     :func:`apply_updates`) and the next state.
+    ``learning_rate(state) -> rate``: the rate the next ``update`` from
+    ``state`` will apply (a float, or a 0-d tensor for a schedule); ``None``
+    (the default) for a transformation without one, such as :func:`scale`.
+    Read it through :func:`learning_rate`. Build a transformation by keyword
+    or with two or three positional fields; it is a 3-tuple, so unpack it as
+    ``init, update, _ = opt`` or use the attributes.
     """
 
     init: Callable[[PyTree], State]
     update: Callable[[PyTree, State, PyTree], tuple[PyTree, State]]
+    learning_rate: Callable[[State], Tensor | float] | None = None
 
 
 class EmptyState(NamedTuple):
@@ -104,11 +125,39 @@ def apply_updates(params: PyTree, updates: PyTree) -> PyTree:
     return tree_map(lambda p, u: torch.add(p, u).to(p.dtype), params, updates)
 
 
+def learning_rate(optimizer: GradientTransformation, opt_state: State) -> float | None:
+    """The rate the next ``optimizer.update`` from ``opt_state`` will apply, or ``None``.
+
+    For :func:`sgd`, :func:`adam` and :func:`adamw` this is ``lr`` or, for a
+    schedule, ``lr(opt_state.count)``; for :func:`chain`, the rate of the
+    first transformation in it that has one (a :func:`scale` around it is not
+    folded in); ``None`` when none has one (:func:`scale`, ``chain()``). It
+    reads a tensor's value on the host: call it outside a compiled step, e.g.
+    to log the rate.
+
+    >>> learning_rate(sgd(lr=0.1), sgd(lr=0.1).init({"w": torch.zeros(2)}))
+    0.1
+
+    Raises:
+        TypeError: ``optimizer`` is not a :class:`GradientTransformation`.
+    """
+    if not isinstance(optimizer, GradientTransformation):
+        raise TypeError(
+            f"optimizer must be a GradientTransformation, got {type(optimizer).__name__}"
+        )
+    if optimizer.learning_rate is None:
+        return None
+    return float(optimizer.learning_rate(opt_state))
+
+
 def scale(factor: float) -> GradientTransformation:
     """Multiplies every update by ``factor``; stateless (state is :class:`EmptyState`).
 
     ``scale(-lr)`` is gradient descent without momentum; inside :func:`chain`
     it rescales the gradient before (or after) another transformation.
+    ``factor`` is a constant, not a schedule (a stateless transformation has
+    no update count); ``sgd(lr=schedule)`` is scheduled ``scale(-lr)``. It
+    has no learning rate: :func:`learning_rate` gives ``None``.
 
     Raises:
         ValueError: ``factor`` is not a finite real number.
@@ -128,7 +177,8 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
     """Applies ``transforms`` in order, each to the previous one's updates.
 
     The state is a tuple of the inner states, in the same order; every
-    transform sees the same ``params``. ``chain()`` is the identity.
+    transform sees the same ``params``. ``chain()`` is the identity. Its
+    ``learning_rate`` is that of the first transform that has one.
 
     >>> opt = chain(scale(2.0), sgd(lr=0.1))    # SGD on the doubled gradient
 
@@ -152,11 +202,19 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
             new_states.append(s)
         return updates, tuple(new_states)
 
-    return GradientTransformation(init, update)
+    with_rate = [i for i, t in enumerate(transforms) if t.learning_rate is not None]
+    if not with_rate:
+        return GradientTransformation(init, update)
+    first = with_rate[0]
+
+    def rate(state: tuple) -> Tensor | float:
+        return transforms[first].learning_rate(state[first])
+
+    return GradientTransformation(init, update, rate)
 
 
 def sgd(
-    lr: float,
+    lr: LearningRate,
     momentum: float = 0.0,
     dampening: float = 0.0,
     nesterov: bool = False,
@@ -173,15 +231,19 @@ def sgd(
 
     The first-step case ``buf_1 = d`` (no dampening) is a ``torch.where`` on
     the step counter, so the compiled step is one graph for all steps.
+    ``lr`` is a float or a schedule (:mod:`dpfunc.schedules`): step ``t`` uses
+    ``lr(t - 1)``, as ``torch.optim.SGD`` under an LR scheduler stepped after
+    each ``optimizer.step()``.
     State: :class:`SgdState` (no momentum buffer when ``momentum == 0``),
     float32 for bf16 and fp16 parameters, whose updates are float32 too.
 
     Raises:
-        ValueError: ``lr <= 0``; ``momentum`` outside [0, 1); ``dampening``
+        ValueError: ``lr`` is not a finite number > 0 or a schedule whose
+            ``lr(0)`` is a finite number >= 0; ``momentum`` outside [0, 1); ``dampening``
             outside [0, 1]; ``weight_decay < 0``; ``nesterov`` with
             ``momentum == 0`` or ``dampening != 0`` (as torch does).
     """
-    check_number("lr", lr, low=0, low_open=True, high_open=True)
+    lr = _check_lr(lr)
     check_number("momentum", momentum, low=0, high=1, high_open=True)
     check_number("dampening", dampening, low=0, high=1)
     check_number("weight_decay", weight_decay, low=0, high_open=True)
@@ -203,8 +265,9 @@ def sgd(
             _require_params(params, "sgd", "weight_decay")
             check_same_structure(grads, params, "grads", "params")
             grads = tree_map(lambda g, p: g + weight_decay * _widen(p), grads, params)
+        rate = _rate_at(lr, state.count)
         if momentum == 0:
-            return tree_map(lambda d: -lr * d, grads), SgdState(None, state.count + 1)
+            return tree_map(lambda d: -_times(rate, d), grads), SgdState(None, state.count + 1)
 
         first = state.count == 0
 
@@ -213,16 +276,16 @@ def sgd(
 
         buffers = tree_map(new_buffer, grads, state.momentum)
         if nesterov:
-            updates = tree_map(lambda d, buf: -lr * (d + momentum * buf), grads, buffers)
+            updates = tree_map(lambda d, buf: -_times(rate, d + momentum * buf), grads, buffers)
         else:
-            updates = tree_map(lambda buf: -lr * buf, buffers)
+            updates = tree_map(lambda buf: -_times(rate, buf), buffers)
         return updates, SgdState(buffers, state.count + 1)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, lambda state: _rate_at(lr, state.count))
 
 
 def adam(
-    lr: float = 1e-3,
+    lr: LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 0.0,
@@ -239,17 +302,21 @@ def adam(
     state's dtype, so the compiled step is one graph for all steps. State:
     :class:`AdamState`, float32 for bf16 and fp16 parameters, whose updates
     are float32 too. A gradient entry that has been 0 on every step gets a
-    zero update (``0 / eps``), never NaN.
+    zero update (``0 / eps``), never NaN. ``lr`` is a float or a schedule
+    (:mod:`dpfunc.schedules`): step ``t`` uses ``lr(t - 1)``, as
+    ``torch.optim.Adam`` under an LR scheduler stepped after each
+    ``optimizer.step()``.
 
     Raises:
-        ValueError: ``lr <= 0``; a beta outside [0, 1); ``eps <= 0``;
+        ValueError: ``lr`` is not a finite number > 0 or a schedule whose
+            ``lr(0)`` is a finite number >= 0; a beta outside [0, 1); ``eps <= 0``;
             ``weight_decay < 0``.
     """
     return _adam(lr, betas, eps, weight_decay, decoupled=False)
 
 
 def adamw(
-    lr: float = 1e-3,
+    lr: LearningRate = 1e-3,
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
@@ -259,6 +326,8 @@ def adamw(
     The parameters shrink by ``(1 - lr * weight_decay)`` before the Adam step
     on the plain gradient, so the update is
     ``-lr * weight_decay * p + adam_update(g)``. State: :class:`AdamState`.
+    With a schedule, the decay uses the scheduled rate of the step, as
+    ``torch.optim.AdamW`` under an LR scheduler does.
 
     Raises:
         ValueError: as :func:`adam`.
@@ -267,7 +336,7 @@ def adamw(
 
 
 def _adam(lr, betas, eps, weight_decay, decoupled: bool) -> GradientTransformation:
-    check_number("lr", lr, low=0, low_open=True, high_open=True)
+    lr = _check_lr(lr)
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got betas={betas!r}")
     b1, b2 = (
@@ -293,7 +362,8 @@ def _adam(lr, betas, eps, weight_decay, decoupled: bool) -> GradientTransformati
         exp_avg_sq = tree_map(lambda v, d: b2 * v + (1 - b2) * (d * d), state.exp_avg_sq, grads)
         # float64 scalars: b2 = 0.999 is 1 in bf16, and 1 - b2**t loses digits in float32
         t = count.to(torch.float64)
-        step_size = lr / (1 - b1**t)
+        rate = _rate_at(lr, state.count)
+        step_size = rate * torch.reciprocal(1 - b1**t)  # what `lr / tensor` computes
         correction = (1 - b2**t).sqrt()
 
         def adam_update(m: Tensor, v: Tensor) -> Tensor:
@@ -302,10 +372,54 @@ def _adam(lr, betas, eps, weight_decay, decoupled: bool) -> GradientTransformati
 
         updates = tree_map(adam_update, exp_avg, exp_avg_sq)
         if decoupled and weight_decay > 0:
-            updates = tree_map(lambda u, p: u - (lr * weight_decay) * _widen(p), updates, params)
+            decay = rate * weight_decay
+            updates = tree_map(lambda u, p: u - _times(decay, _widen(p)), updates, params)
         return updates, AdamState(exp_avg, exp_avg_sq, count)
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, lambda state: _rate_at(lr, state.count))
+
+
+# --- learning rates: a float or a schedule -------------------------------------
+
+
+def _check_lr(lr: Any) -> LearningRate:
+    """``lr`` as a float > 0, or the schedule ``lr`` after checking ``lr(0)``."""
+    if isinstance(lr, numbers.Real):  # a bool is refused there, by name
+        return check_number("lr", lr, low=0, low_open=True, high_open=True)
+    if not callable(lr):
+        raise ValueError(
+            "lr must be a finite number > 0 or a schedule (a callable of the number of "
+            f"updates already applied, see dpfunc.schedules), got lr={lr!r}"
+        )
+    first = float(_rate_at(lr, torch.zeros((), dtype=torch.int64)))
+    if not (math.isfinite(first) and first >= 0):
+        raise ValueError(
+            f"the schedule lr must give a finite rate >= 0, got lr(0)={first!r} for lr={lr!r}"
+        )
+    return lr
+
+
+def _rate_at(lr: LearningRate, count: Tensor) -> float | Tensor:
+    """The rate of the update after ``count`` updates: ``lr``, or ``lr(count)`` in float64."""
+    if not callable(lr):
+        return lr
+    rate = lr(count)
+    if isinstance(rate, Tensor) and rate.dim() == 0 and not rate.dtype.is_complex:
+        return rate.to(torch.float64)
+    if isinstance(rate, numbers.Real) and not isinstance(rate, bool):
+        return float(rate)
+    shown = f"a tensor of shape {tuple(rate.shape)}" if isinstance(rate, Tensor) else repr(rate)
+    raise TypeError(
+        f"the schedule lr must return a real number or a 0-d real tensor, got {shown} "
+        f"from lr={lr!r}"
+    )
+
+
+def _times(rate: float | Tensor, x: Tensor) -> Tensor:
+    """``rate * x`` in ``x``'s dtype and on its device (a tensor rate is cast first)."""
+    if isinstance(rate, Tensor):
+        return rate.to(x.device, x.dtype) * x
+    return rate * x
 
 
 # --- validation at the boundary ----------------------------------------------
@@ -325,6 +439,7 @@ __all__ = [
     "adamw",
     "apply_updates",
     "chain",
+    "learning_rate",
     "scale",
     "sgd",
     "state_dtype",

@@ -17,6 +17,7 @@ from dpfunc.optim import (
     chain,
     scale,
     sgd,
+    state_dtype,
 )
 from dpfunc.tree import tree_leaves, tree_map
 
@@ -456,3 +457,61 @@ def test_apply_updates_rounds_a_wider_update_once_to_the_parameter_dtype():
     # float64 updates to float32 parameters leave them float32
     q = apply_updates({"w": torch.ones(2)}, {"w": torch.ones(2, dtype=torch.float64)})
     assert q["w"].dtype == torch.float32
+
+
+# --- learning-rate schedules and the rate of the next update --------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda lr: sgd(lr, momentum=0.9, nesterov=True, weight_decay=0.01),
+        lambda lr: sgd(lr),
+        lambda lr: adam(lr, weight_decay=0.1),
+        lambda lr: adamw(lr, weight_decay=0.1),
+    ],
+    ids=["sgd nesterov", "sgd plain", "adam", "adamw"],
+)
+def test_a_constant_schedule_moves_the_parameters_bit_for_bit_as_the_float_rate(make, dtype):
+    from dpfunc.schedules import constant
+
+    params = tree_map(lambda p: p.to(dtype), make_params())
+    runs = []
+    for opt in (make(0.05), make(constant(0.05)), make(lambda count: 0.05)):
+        p, state = params, opt.init(params)
+        for step in range(5):
+            updates, state = opt.update(make_grads(p, step), state, p)
+            p = apply_updates(p, updates)
+        runs.append((p, state))
+    assert_trees_equal(runs[1], runs[0])
+    assert_trees_equal(runs[2], runs[0])
+    assert all(leaf.dtype in (state_dtype(dtype), torch.int64) for leaf in tree_leaves(runs[1][1]))
+
+
+def test_learning_rate_reads_the_rate_of_the_next_update():
+    from dpfunc.optim import learning_rate
+    from dpfunc.schedules import piecewise_constant
+
+    params = make_params()
+    schedule = piecewise_constant([1, 2], [0.3, 0.2, 0.1])
+    for opt in (sgd(schedule, momentum=0.5), adam(schedule), chain(scale(2.0), adamw(schedule))):
+        state = opt.init(params)
+        for step, want in enumerate([0.3, 0.2, 0.1, 0.1]):
+            assert learning_rate(opt, state) == want
+            _, state = opt.update(make_grads(params, step), state, params)
+    assert learning_rate(adamw(lr=0.01), adamw(lr=0.01).init(params)) == 0.01
+    assert learning_rate(chain(sgd(0.1), adam(0.2)), chain(sgd(0.1), adam(0.2)).init(params)) == 0.1
+    assert learning_rate(scale(-0.1), EmptyState()) is None
+    assert learning_rate(chain(scale(2.0), scale(0.5)), (EmptyState(), EmptyState())) is None
+    assert learning_rate(chain(), ()) is None
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        learning_rate((sgd(0.1).init, sgd(0.1).update), None)
+
+
+def test_a_transformation_of_two_fields_has_no_learning_rate():
+    opt = sgd(lr=0.1)
+    bare = GradientTransformation(opt.init, opt.update)
+    assert bare.learning_rate is None and bare.init is opt.init
+    init, update, rate = opt
+    assert rate(opt.init(make_params())) == 0.1
