@@ -33,14 +33,14 @@ from . import checkpoint as _checkpoint
 from . import distributed as _distributed
 from . import optim
 from .accounting import epsilon as _epsilon
-from .accounting import max_steps_within
-from .callbacks import built_in, check_callbacks, run_hook
+from .callbacks import StepMeter, built_in, check_callbacks, run_hook
 from .checks import check_choice, check_int, check_params
 from .clipping import ACCUMULATED_SUMS
 from .config import DPConfig, config_from
 from .data import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .per_sample import LossFn
+from .report import PrivacyReport, privacy_report, steps_within_budget
 from .step import NONFINITE, NoiseAhead, TrainState, check_nonfinite, make_train_step, summarize
 from .tree import Params
 
@@ -178,6 +178,7 @@ class Trainer:
         self.accountant = config.accountant()
         self.history: list[dict[str, float]] = []
         self._budget_steps: int | None = None  # see _last_step_within_budget
+        self.stop_training = False  # a callback sets it to stop fit (see dpfunc.callbacks)
         self._noise = NoiseAhead(self.step_fn)  # the same on every rank, drawn ahead
         self._check_plan()
         self.callbacks = before + user_callbacks + after
@@ -240,6 +241,7 @@ class Trainer:
     expected_batch_size = property(lambda self: float(self.config.expected_batch_size))
     bands = property(lambda self: self.config.bands)
     secure_noise = property(lambda self: self.config.secure_noise)
+    physical_batch_size = property(lambda self: self.batches.physical_batch_size)
 
     @property
     def seed(self) -> int:
@@ -255,9 +257,23 @@ class Trainer:
     def steps_done(self) -> int:
         return self.accountant.steps
 
-    def epsilon(self) -> float:
-        """Epsilon spent so far at ``self.delta`` (the accountant's value)."""
-        return self.accountant.epsilon(self.delta)
+    def epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent so far at ``delta`` (default ``self.delta``): the accountant's value.
+
+        Raises:
+            ValueError: ``delta`` is not a number in ``(0, 1)``.
+        """
+        return self.accountant.epsilon(self.delta if delta is None else delta)
+
+    def privacy_report(self, delta: float | None = None) -> PrivacyReport:
+        """The run's privacy so far, as text (``str``) and data (``.as_dict()``), at ``delta``.
+
+        See :func:`dpfunc.report.privacy_report`: epsilon, delta, the
+        accountant, sigma, q, the steps done and planned, the sampling, the
+        noise generator, the seed, and what the guarantee does not cover.
+        """
+        return privacy_report(self.config, self.accountant, self.num_examples,
+                              seed_is_secret=self.seed_is_secret, delta=delta)  # fmt: skip
 
     def train_step(self) -> dict[str, float]:
         """One logical DP-SGD step; returns its (non-private) metrics as floats.
@@ -308,63 +324,44 @@ class Trainer:
             max_steps: stop after at most this many more steps (e.g. to
                 checkpoint and resume later); ``None`` runs to the end.
             callbacks: more callbacks for this ``fit`` only, after the
-                Trainer's own (see :mod:`dpfunc.callbacks`).
+                Trainer's own (see :mod:`dpfunc.callbacks`). One stops the
+                fit before its next step with ``trainer.stop_training = True``.
 
         Returns the history: one dict per epoch with ``epoch``, ``steps``,
         ``loss`` (mean over the examples since the last record; not
         private), ``nonfinite`` (the examples with a NaN/inf gradient since
         the last record, left out of the sums; not private), ``epsilon``,
-        ``clip_norm`` and what callbacks added (``eval_fn``'s results); and
-        one more for the last step when ``fit`` stops between epochs
-        (budget or ``max_steps``), so the last record always holds the
-        epsilon of the parameters returned.
+        ``clip_norm``, ``lr`` and what callbacks added (``eval_fn``'s
+        results); and one more for the last step when ``fit`` stops between
+        epochs (budget, ``max_steps`` or a callback), so the last record
+        always holds the epsilon of the parameters returned.
         """
         stop_at = self._last_step_within_budget()
         if max_steps is not None:
             check_int("max_steps", max_steps)
             stop_at = min(stop_at, self.steps_done + max_steps)
         active = self.callbacks + check_callbacks(callbacks)
+        self.stop_training = False
         run_hook(active, "on_fit_start", self, stop_at)
-        loss_sum = examples = nonfinite = 0.0
-        while self.steps_done < stop_at:
-            metrics = self.train_step()
-            loss_sum += metrics["loss"] * metrics["batch_size"]
-            examples += metrics["batch_size"]
-            nonfinite += metrics["nonfinite"]
+        meter = StepMeter()
+        while self.steps_done < stop_at and not self.stop_training:
+            metrics = meter.add(self.train_step())
             done = self.steps_done
             if done % self.steps_per_epoch == 0 or done == stop_at:
-                record = self._record(loss_sum / max(examples, 1.0), int(nonfinite))
-                loss_sum = examples = nonfinite = 0.0
-                run_hook(active, "on_epoch_end", self, record)
+                run_hook(active, "on_epoch_end", self, meter.record(self))
             run_hook(active, "on_step_end", self, metrics)
+        if meter.steps:  # a callback stopped the fit between records
+            run_hook(active, "on_epoch_end", self, meter.record(self))
         run_hook(active, "on_fit_end", self, self.history)
         return self.history
-
-    def _record(self, loss: float, nonfinite: int) -> dict[str, float]:
-        """Appends the history record of the current step and returns it."""
-        done = self.steps_done
-        record = {
-            "epoch": done / self.steps_per_epoch,
-            "steps": done,
-            "loss": loss,
-            "nonfinite": nonfinite,
-            "epsilon": self.epsilon(),
-            "clip_norm": self.clip_norm,
-        }
-        self.history.append(record)
-        return record
 
     def _last_step_within_budget(self) -> int:
         """The largest step count <= total_steps within the budget (computed once: all
         steps are the same (noise_multiplier, sample_rate), so it does not change)."""
-        if self.epsilon_budget is None:
-            return self.total_steps
         if self._budget_steps is None:
-            event = self.config.accounting_event(self.num_examples)
-            self._budget_steps = max_steps_within(
-                self.epsilon_budget, self.delta, *event, self.total_steps,
-                self.config.accounting, bands=self.bands,
-            )  # fmt: skip
+            self._budget_steps = steps_within_budget(
+                self.config, self.num_examples, self.epsilon_budget, self.delta
+            )
         return self._budget_steps
 
     def save(self, path: str | os.PathLike) -> None:
