@@ -5,12 +5,13 @@ The model becomes a pytree of parameters; each example's gradient comes from
 noise and average them; the step compiles with ``torch.compile``.
 """
 
-from . import accounting, audit, data, distributed, matrix_factorization, optim
+from . import accounting, audit, data, distributed, matrix_factorization, optim, schedules
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
 from .config import DPConfig
 from .functional import check_per_example, functionalize, replace_batchnorm
 from .noise import add_noise, average, secret_seed, standard_normal_like
 from .per_sample import per_sample_grads, per_sample_grads_and_losses
+from .private import LogicalBatch, PrivateGradients
 from .step import ExampleStats, TrainState, TrainStep, make_train_step, summarize
 from .trainer import Trainer
 
@@ -19,6 +20,8 @@ __version__ = "0.1.0"
 __all__ = [
     "DPConfig",
     "ExampleStats",
+    "LogicalBatch",
+    "PrivateGradients",
     "TrainState",
     "TrainStep",
     "Trainer",
@@ -40,6 +43,7 @@ __all__ = [
     "per_sample_grads_and_losses",
     "per_sample_norms",
     "replace_batchnorm",
+    "schedules",
     "secret_seed",
     "standard_normal_like",
     "summarize",

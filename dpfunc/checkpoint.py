@@ -36,7 +36,16 @@ import torch
 from . import distributed as _distributed
 from .accounting import Accountant
 
-__all__ = ["STATE_PARTS", "VERSION", "check_path", "load", "save", "settings"]
+__all__ = [
+    "STATE_PARTS",
+    "VERSION",
+    "check_path",
+    "from_state_dict",
+    "load",
+    "save",
+    "settings",
+    "state_dict",
+]
 
 VERSION = 3
 """The checkpoint format. 2: the secret seed and the noise kind. 3: the train state by parts.
@@ -92,7 +101,7 @@ def settings(trainer: Any) -> dict[str, Any]:
         "secure_noise": config.secure_noise,
         "accounting": config.accounting,
         "delta": config.delta,
-        "physical_batch_size": trainer.batches.physical_batch_size,
+        "physical_batch_size": trainer.physical_batch_size,
     }
 
 
@@ -123,16 +132,53 @@ def save(trainer: Any, path: str | os.PathLike) -> None:
         raise RuntimeError(f"rank 0 failed to write checkpoint {os.fspath(path)!r}; see its log")
 
 
-def _write(trainer: Any, path: str | os.PathLike) -> None:
-    path = os.fspath(path)
-    checkpoint = {
+def state_dict(trainer: Any, parts: tuple[str, ...] = STATE_PARTS) -> dict[str, Any]:
+    """What a checkpoint holds: the settings, the secret seed, the accountant and ``parts``.
+
+    ``parts`` names the parts of ``trainer.state`` stored (each as its list
+    of tensors); :class:`dpfunc.PrivateGradients`, whose parameters and
+    optimizer live in the user's model and ``torch.optim`` optimizer,
+    stores the step and the mechanisms' states only. Plain Python and
+    tensors: ``torch.save`` / ``torch.load(weights_only=True)`` take it.
+    """
+    return {
         "version": VERSION,
         "config": settings(trainer),
-        "state": {part: optree.tree_leaves(getattr(trainer.state, part)) for part in STATE_PARTS},
+        "state": {part: optree.tree_leaves(getattr(trainer.state, part)) for part in parts},
         "accountant": trainer.accountant.state_dict(),
         "history": trainer.history,
         "seed_secret": trainer.seed_is_secret,
     }
+
+
+def from_state_dict(
+    trainer: Any, checkpoint: Any, where: str, parts: tuple[str, ...] = STATE_PARTS
+) -> tuple[Any, Accountant, list, int]:
+    """Validates :func:`state_dict`'s output for ``trainer``; changes nothing.
+
+    Returns ``(state, accountant, history, seed)`` for ``trainer.restore``:
+    ``trainer.state`` with ``parts`` replaced by the saved ones. ``where``
+    names the checkpoint in messages (a path, or ``"state_dict"``).
+
+    Raises:
+        ValueError: the checkpoint is of another version, seed or settings
+            (each difference named), or malformed.
+    """
+    try:
+        _check_seed(trainer, where, checkpoint)
+        _check_settings(trainer, where, checkpoint["config"])
+        return _state(trainer, where, checkpoint, parts)
+    except ValueError:
+        raise
+    except Exception as error:  # missing keys, wrong types: a malformed checkpoint
+        raise ValueError(
+            f"checkpoint {os.fspath(where)!r} is malformed: {type(error).__name__}: {error}"
+        ) from error
+
+
+def _write(trainer: Any, path: str | os.PathLike) -> None:
+    path = os.fspath(path)
+    checkpoint = state_dict(trainer)
     directory = os.path.dirname(os.path.abspath(path))
     handle, tmp = tempfile.mkstemp(dir=directory, prefix=".dpfunc-", suffix=".tmp")
     try:
@@ -201,16 +247,7 @@ def _read(trainer: Any, path: str | os.PathLike) -> tuple[Any, Accountant, list,
         checkpoint = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:  # torch raises many types for a bad file
         raise ValueError(f"checkpoint {os.fspath(path)!r} is unreadable: {error}") from error
-    try:
-        _check_seed(trainer, path, checkpoint)
-        _check_settings(trainer, path, checkpoint["config"])
-        return _state(trainer, path, checkpoint)
-    except ValueError:
-        raise
-    except Exception as error:  # missing keys, wrong types: a malformed checkpoint
-        raise ValueError(
-            f"checkpoint {os.fspath(path)!r} is malformed: {type(error).__name__}: {error}"
-        ) from error
+    return from_state_dict(trainer, checkpoint, path)
 
 
 def _check_seed(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> None:
@@ -266,9 +303,15 @@ def _check_settings(trainer: Any, path: str | os.PathLike, saved: dict[str, Any]
         )
 
 
-def _state(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> tuple:
+def _state(trainer: Any, path: str | os.PathLike, checkpoint: Any, parts: tuple[str, ...]) -> tuple:
     saved = checkpoint["state"]  # not a dict, or a part missing: malformed (see _read)
-    parts = {part: _part(trainer, path, part, saved[part]) for part in STATE_PARTS}
+    if not isinstance(saved, dict) or set(saved) != set(parts):
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} holds the train state parts "
+            f"{sorted(saved) if isinstance(saved, dict) else saved!r}, not {sorted(parts)}: "
+            "a Trainer's checkpoint and a PrivateGradients state_dict are not interchangeable"
+        )
+    parts = {part: _part(trainer, path, part, saved[part]) for part in parts}
     accountant = trainer.config.accountant()
     accountant.load_state_dict(checkpoint["accountant"])
     state = trainer.state._replace(**parts)

@@ -1,0 +1,214 @@
+"""What a private run fixes before its first step: the plan the Trainer and PrivateGradients share.
+
+A :class:`RunPlan` resolves, once and before any work, everything a run of
+DP-SGD over a dataset depends on: the privacy settings calibrated for the
+dataset's size (:meth:`dpfunc.DPConfig.calibrated`), the sample rate and the
+planned steps, the physical batch size (rows per micro-batch, the compiled
+shape), the ranks of a data-parallel run, the secret seed, and the Poisson
+sampler that the seed keys. :class:`dpfunc.Trainer` and
+:class:`dpfunc.PrivateGradients` build one each, so both sample, noise and
+account the same way.
+
+The seed is a secret. By default (``seed=None``) it is drawn from the
+operating system's CSPRNG (:func:`dpfunc.secret_seed`; distributed: on rank
+0, broadcast) and lives in memory and in checkpoints only; a fixed seed is
+for reproducible research, since whoever knows it can remove the noise.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+from . import distributed as _distributed
+from .accounting import epsilon as _epsilon
+from .accounting import max_steps_within
+from .checks import check_int
+from .clipping import ACCUMULATED_SUMS
+from .config import DPConfig
+from .data import as_dataset, dataset_fingerprint, dataset_size
+from .noise import check_seed, secret_seed, standard_normal_like
+
+__all__ = ["RunPlan"]
+
+
+class RunPlan:
+    """The calibrated settings, the step plan, the ranks and the secret of one private run.
+
+    Args:
+        who: the caller's name, for error messages (``"Trainer"``).
+        config: the privacy settings; ``target_epsilon`` needs ``epochs``.
+        dataset: any form :func:`dpfunc.data.as_dataset` accepts (read
+            once, here), with at least one example.
+        physical_batch_size: rows per micro-batch; ``None``: each rank's
+            share of the expected batch size plus 3 standard deviations.
+        seed: the secret, or ``None`` to draw one (see the module docstring).
+        distributed: ``None`` (data-parallel exactly when a process group is
+            initialised), ``True`` (requires one) or ``False``.
+        require_epochs: refuse a config without ``epochs`` (the Trainer
+            plans its steps from them).
+
+    Attributes: ``config`` (calibrated: ``noise_multiplier`` and ``delta``
+    resolved), ``num_examples``, ``sample_rate``, ``steps_per_epoch``,
+    ``total_steps`` (``None`` without ``epochs``), ``physical_batch_size``,
+    ``distributed``, ``rank``, ``world_size``, ``adopts_seed`` (built with
+    ``seed=None``: may adopt a loaded checkpoint's drawn secret),
+    ``seed_is_secret`` and ``batches`` (the :class:`dpfunc.data.PoissonBatches`
+    the seed keys; ``batches.seed`` is the secret).
+
+    Raises:
+        ValueError, TypeError: an argument is invalid (named with its value),
+            the dataset is empty, or, distributed, the ranks disagree.
+    """
+
+    def __init__(
+        self,
+        who: str,
+        config: DPConfig,
+        dataset: Any,
+        *,
+        physical_batch_size: int | None,
+        seed: int | None,
+        distributed: bool | None,
+        require_epochs: bool,
+    ):
+        dataset = as_dataset(dataset)  # numpy, lists, DataLoaders, ...: read once, here
+        n = dataset_size(dataset)
+        if n < 1:
+            raise ValueError("dataset is empty: DP-SGD needs at least one example, got 0")
+        if config.epochs is None and (require_epochs or config.target_epsilon is not None):
+            why = "plans" if require_epochs else "calibrates target_epsilon for"
+            raise ValueError(
+                f"{who} {why} config.epochs passes over the data; give DPConfig(epochs=...), "
+                "got epochs=None"
+            )
+        self.distributed, self.rank, self.world_size = _distributed.resolve(distributed)
+        self.config = config = config.calibrated(n)
+        self.num_examples = n
+        self.sample_rate = config.sample_rate(n)
+        self.steps_per_epoch = config.steps_per_epoch(n)
+        self.total_steps = config.total_steps(n) if config.epochs is not None else None
+        self.physical_batch_size = self._physical_batch_size(physical_batch_size)
+        if seed is not None:
+            check_seed(seed)
+        self.adopts_seed = seed is None  # may take a loaded checkpoint's secret seed
+        self.seed_is_secret = seed is None  # drawn from the OS CSPRNG, here or by a loaded run
+        if seed is None:
+            seed = _distributed.shared_secret_seed() if self.distributed else secret_seed()
+        if config.secure_noise:  # without cryptography, fail here rather than at the first step
+            standard_normal_like({}, seed=seed, step=0, secure=True)
+        if self.distributed:
+            self._check_ranks_agree(dataset, seed)
+        self.batches = config.sampler(
+            dataset,
+            self.physical_batch_size,
+            seed=seed,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+        self._budget_steps: int | None = None
+        self._check_budget(stacklevel=4)
+
+    @property
+    def seed(self) -> int:
+        """The secret that keys the samples, the partitions and the noise (never print it)."""
+        return self.batches.seed
+
+    def adopt_seed(self, seed: int) -> None:
+        """Takes a loaded run's drawn secret: the partitions are derived again from it."""
+        if seed != self.seed:
+            self.batches.seed, self.seed_is_secret = seed, True
+
+    def _physical_batch_size(self, size: int | None) -> int:
+        if size is None:
+            share = self.config.expected_batch_size / self.world_size  # each rank's share
+            size = math.ceil(share + 3 * math.sqrt(share))
+        check_int("physical_batch_size", size, minimum=1)
+        if math.ceil(self.num_examples / size) + self.world_size > ACCUMULATED_SUMS:
+            raise ValueError(  # the clip margin covers this many float64 additions
+                f"physical_batch_size={size!r} could split a logical batch of "
+                f"{self.num_examples} examples into more than {ACCUMULATED_SUMS} micro-batches, "
+                "beyond what the rounding bound of the clipped sum covers; raise "
+                "physical_batch_size"
+            )
+        return size
+
+    def _check_ranks_agree(self, dataset: Any, seed: int) -> None:
+        _distributed.check_same_across_ranks(
+            {
+                "num_examples": self.num_examples,
+                "config": repr(self.config),
+                "seed": seed,
+                "physical_batch_size": self.physical_batch_size,
+                "total_steps": self.total_steps,
+                "dataset": dataset_fingerprint(dataset),
+            },
+            "the run's settings",
+            secret=("seed",),
+        )
+
+    def _check_budget(self, stacklevel: int) -> None:
+        config = self.config
+        if config.epsilon_budget is not None:
+            event = config.accounting_event(self.num_examples)
+            one_step = _epsilon(*event, 1, config.delta, config.accounting, bands=config.bands)
+            if one_step > config.epsilon_budget:
+                raise ValueError(
+                    f"epsilon_budget={config.epsilon_budget!r} at delta={config.delta!r} does not "
+                    f"allow a single step: one step already spends epsilon={one_step:.4g}; raise "
+                    "the budget or the noise"
+                )
+        if config.noise_multiplier > config.expected_batch_size:
+            warnings.warn(
+                f"noise_multiplier={config.noise_multiplier:.6g} exceeds expected_batch_size="
+                f"{config.expected_batch_size!r}: the noise on every coordinate of the averaged "
+                "update is larger than a whole clipped gradient, so training will hardly move. "
+                "Raise target_epsilon or expected_batch_size, or train fewer epochs.",
+                stacklevel=stacklevel,
+            )
+
+    def last_step(self) -> int | None:
+        """The step count the run may reach: ``total_steps``, or fewer within the budget.
+
+        ``None`` when nothing bounds the run (no ``epochs`` and no
+        ``epsilon_budget``). All steps are the same ``(noise_multiplier,
+        sample_rate)``, so this is computed once.
+        """
+        config = self.config
+        if config.epsilon_budget is None:
+            return self.total_steps
+        if self._budget_steps is None:
+            event = config.accounting_event(self.num_examples)
+            bound = self.total_steps
+            if bound is None:  # the budget alone bounds the run: search up to where it must end
+                bound = _steps_bound(config, event)
+            self._budget_steps = max_steps_within(
+                config.epsilon_budget, config.delta, *event, bound, config.accounting,
+                bands=config.bands,
+            )  # fmt: skip
+        return self._budget_steps
+
+    def check_next_step(self, done: int) -> None:
+        """Raises ``RuntimeError`` if step ``done + 1`` is beyond :meth:`last_step`."""
+        limit = self.last_step()
+        if limit is not None and done >= limit:
+            config = self.config
+            reason = (
+                f"epsilon_budget={config.epsilon_budget!r} at delta={config.delta!r}"
+                if self.total_steps is None or done < self.total_steps
+                else f"the planned total_steps={self.total_steps}"
+            )
+            raise RuntimeError(f"step {done + 1} would exceed {reason}; training is over")
+
+
+def _steps_bound(config: DPConfig, event: Any) -> int:
+    """A step count whose epsilon exceeds the budget (doubled until it does), at most 2**40."""
+    steps = 1
+    while (
+        steps < 2**40
+        and _epsilon(*event, steps, config.delta, config.accounting, bands=config.bands)
+        <= config.epsilon_budget
+    ):
+        steps *= 2
+    return steps
