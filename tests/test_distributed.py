@@ -115,6 +115,7 @@ def worker(scenario: str, outdir: str, timeout_s: float, *args: str) -> int:
             result = {
                 "steps": steps_worker(rank, world_size, int(args[0])),
                 "trainer": trainer_first(outdir),
+                "private": private_run(model_seed=rank),  # rank 1 starts elsewhere
             }
         elif scenario in ("die", "hang"):
             return failing_worker(scenario, rank, world_size, outdir)
@@ -184,6 +185,31 @@ def failing_worker(scenario: str, rank: int, world_size: int, outdir: str) -> in
                 f.write(report)
             return 3
     return 0
+
+
+def private_run(model_seed: int = 0, **overrides) -> dict:
+    """PrivateGradients with torch.optim.SGD (momentum) through the planned steps."""
+    torch.manual_seed(model_seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    _, _, dataset = problem()
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(functional_call(model, p, (xi.unsqueeze(0),)), yi[None])
+
+    settings = {k: v for k, v in TRAINER.items()}
+    settings.update(overrides)
+    private = dpfunc.PrivateGradients(model, loss_fn, dataset, **settings)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    for batch in private.batches():
+        private.backward(batch)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {
+        "params": {k: v.detach().clone() for k, v in model.named_parameters()},
+        "steps": private.steps_done,
+        "epsilon": private.epsilon(),
+    }
 
 
 def trainer_first(outdir: str) -> dict:
@@ -367,6 +393,17 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(main_run):
                 t,
                 name,
             )
+
+
+def test_private_gradients_on_two_ranks_equal_one_process(main_run):
+    _, _, results, _ = main_run
+    ranks = [result["private"] for result in results]
+    alone = private_run(distributed=False)  # the single-process reference
+    assert ranks[0]["steps"] == ranks[1]["steps"] == alone["steps"] == 8
+    assert ranks[0]["epsilon"] == alone["epsilon"]
+    for name, value in alone["params"].items():
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])  # bit-identical
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=1e-6)
 
 
 def _failure(tmp_path, scenario, timeout_s):
