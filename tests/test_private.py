@@ -353,3 +353,14 @@ def test_digits_with_adamw_and_a_cosine_schedule_trains():
     accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
     assert private.epsilon() <= 3.0
     assert accuracy > 0.8, accuracy
+
+
+def test_compiled_equals_eager():
+    results = []
+    for compile in (False, True):
+        model = mlp()
+        private = private_for(model, compile=compile)
+        train(private, torch.optim.SGD(model.parameters(), lr=0.3), steps=2)
+        results.append(params_of(model))
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1][name], value, rtol=1e-5, atol=1e-6)
