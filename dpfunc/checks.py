@@ -18,9 +18,10 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import optree
 import torch
 
-__all__ = ["check_choice", "check_int", "check_number", "check_params"]
+__all__ = ["check_choice", "check_devices", "check_int", "check_number", "check_params"]
 
 
 def _fail(name: str, requirement: str, value: Any) -> ValueError:
@@ -136,4 +137,51 @@ def check_params(params: Any) -> None:
             raise TypeError(
                 f"params[{name!r}] has dtype {value.dtype}; only floating-point tensors have "
                 "gradients (keep integer state in buffers)"
+            )
+
+
+def check_devices(params: Any, batch: Any, name: str = "batch") -> None:
+    """Refuses a batch that is not on the parameters' device, and parameters on ``meta``.
+
+    Where every parameter lives on one device, every tensor leaf of
+    ``batch`` must live there too: torch would otherwise fail deep inside
+    the per-example pass (or, on the ghost path, only after falling back to
+    vmap), with a message that names neither the batch nor the fix.
+    Parameters spread over several devices (a model split across GPUs) are
+    not checked: such a model moves its activations itself. Devices are
+    static, so this check is free inside a compiled function.
+
+    Raises:
+        ValueError: a parameter is on the ``meta`` device (shapes without
+            values: nothing can be trained), or a tensor leaf of ``batch`` is
+            on another device than the parameters; the message names the leaf.
+
+    >>> import torch
+    >>> check_devices({"w": torch.zeros(2)}, torch.zeros(3, 2, device="meta"))
+    Traceback (most recent call last):
+    ...
+    ValueError: batch leaf <root> (shape (3, 2)) is on device meta but the parameters are on cpu...
+    """
+    leaves = optree.tree_leaves(params)
+    if not leaves:
+        return
+    device = leaves[0].device
+    for leaf in leaves:
+        if leaf.device.type == "meta":
+            raise ValueError(
+                "the parameters are on the meta device, which holds shapes but no values; "
+                "materialise the model (model.to_empty(device=...) and load its weights) "
+                "before dpfunc.functionalize(model)"
+            )
+        if leaf.device != device:
+            return  # spread over several devices: the model moves activations itself
+    for path, leaf in zip(optree.tree_paths(batch), optree.tree_leaves(batch)):
+        if isinstance(leaf, torch.Tensor) and leaf.device != device:
+            where = "".join(f"[{key!r}]" for key in path) or "<root>"
+            raise ValueError(
+                f"{name} leaf {where} (shape {tuple(leaf.shape)}) is on device {leaf.device} "
+                f"but the parameters are on {device}; move the data to the parameters' device: "
+                "the Trainer gathers rows where a tensor dataset lives (pass the dataset "
+                "after .to(device)), a hand-written loop moves each micro-batch with "
+                ".to(device) (docs/devices.md)"
             )

@@ -170,8 +170,9 @@ def standard_normal_like(
 
     Raises:
         ValueError: ``seed`` or ``step`` is not a non-negative int,
-            ``secure`` is not a bool, or a leaf is complex (``torch.randn``
-            would give each real coordinate variance 1/2).
+            ``secure`` is not a bool, a leaf is complex (``torch.randn``
+            would give each real coordinate variance 1/2), a leaf is on the
+            ``meta`` device, or (default draw) the leaves span several devices.
         ImportError: ``secure=True`` without ``cryptography``.
 
     >>> params = {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(3)}
@@ -198,9 +199,21 @@ def standard_normal_like(
             "needs N(0, 1) on every real coordinate; view complex parameters as real ones "
             "(torch.view_as_real) in the loss instead"
         )
+    leaves = tree_leaves(params)
+    devices = sorted({str(x.device) for x in leaves})
+    if "meta" in devices:
+        raise ValueError(
+            "params are on the meta device, which holds shapes but no values; materialise "
+            "the model (model.to_empty(device=...) and load its weights) first"
+        )
     if secure:
         return _secure_normal_like(params, seed, step, stream)
-    leaves = tree_leaves(params)
+    if len(devices) > 1:  # one keyed generator draws every leaf, on one device
+        raise ValueError(
+            f"params span the devices {devices}, and the default noise draws every leaf from "
+            "one generator on one device; use secure=True (Trainer(secure_noise=True)), which "
+            "draws on the CPU and copies each leaf to its own device"
+        )
     device = leaves[0].device if leaves else torch.device("cpu")
     return tree_normal_like(params, keyed_generator(f"dpfunc.{stream}", seed, step, device))
 

@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 from torch.nn.utils.rnn import PackedSequence
 
-from .checks import check_int
+from .checks import check_devices, check_int
 from .tree import Params, PyTree, tree_leaves
 
 LossFn = Callable[[Params, PyTree], Any]
@@ -115,6 +115,7 @@ def batch_size(batch: PyTree, name: str = "batch") -> int:
 
 def _grads_and_losses(loss_fn, params, batch, chunk_size, has_aux):
     batch_size(batch)
+    check_devices(params, batch)
     if chunk_size is not None:
         check_int("chunk_size", chunk_size, minimum=1)
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 
+from ..checks import check_devices
 from ..clipping import ClippingPolicy, clipped_sum, per_sample_norms
 from ..per_sample import per_sample_grads_and_losses
 from ..tree import Params, PyTree
@@ -77,6 +78,7 @@ class GhostClipper:
 
     def plan(self, params: Params, batch: PyTree) -> GhostPlan:
         """The plan for this batch structure (computed once; a constant under compile)."""
+        check_devices(params, batch)  # before the analysis pass, which would fail on it
         leaves: list = []
         try:
             skeleton = _skeleton(batch, leaves)
