@@ -50,6 +50,7 @@ from .data import MicroBatch
 from .functional import functionalize
 from .per_sample import LossFn
 from .plan import RunPlan
+from .report import PrivacyReport, privacy_report
 from .step import NONFINITE, NoiseAhead, StepNoise, TrainState, check_nonfinite, summarize
 from .step import make_train_step as _make_train_step
 from .tree import Params, tree_map
@@ -285,6 +286,17 @@ class PrivateGradients:
             ValueError: ``delta`` outside ``(0, 1)``.
         """
         return self.accountant.epsilon(self.delta if delta is None else delta)
+
+    def privacy_report(self, delta: float | None = None) -> PrivacyReport:
+        """The run's guarantee and what it does not cover (:func:`dpfunc.report.privacy_report`).
+
+        ``str(report)`` is text; ``report.as_dict()`` a dict. Its epsilon is
+        :meth:`epsilon` at ``delta`` (default: the config's).
+        """
+        return privacy_report(
+            self.config, self.accountant, self.num_examples,
+            seed_is_secret=self.seed_is_secret, delta=delta,
+        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """What an exact resume needs besides the model's and the optimizer's own state dicts.

@@ -182,6 +182,9 @@ def test_metrics_epsilon_at_any_delta_and_the_batch_order():
     for delta in (1e-5, 1e-3):
         assert private.epsilon(delta) == accounting_epsilon(1.3, rate, 1, delta)
     assert private.epsilon() == private.epsilon(1e-5)
+    report = private.privacy_report(1e-3)
+    assert report.as_dict()["epsilon"] == private.epsilon(1e-3)
+    assert "FIXED" in str(report)  # seed=11: not private against whoever knows it
     with pytest.raises(ValueError, match="delta"):
         private.epsilon(2.0)
     assert "seed" not in repr(private)
