@@ -33,7 +33,7 @@ from . import checkpoint as _checkpoint
 from . import distributed as _distributed
 from . import optim
 from .accounting import epsilon as _epsilon
-from .callbacks import StepMeter, built_in, check_callbacks, run_hook
+from .callbacks import StepMeter, built_in, check_callbacks, learning_rate, run_hook
 from .checks import check_choice, check_int, check_params
 from .clipping import ACCUMULATED_SUMS
 from .config import DPConfig, config_from
@@ -276,7 +276,7 @@ class Trainer:
                               seed_is_secret=self.seed_is_secret, delta=delta)  # fmt: skip
 
     def train_step(self) -> dict[str, float]:
-        """One logical DP-SGD step; returns its (non-private) metrics as floats.
+        """One logical DP-SGD step; returns its (non-private) metrics as floats, and ``lr``.
 
         Raises:
             RuntimeError: the planned ``total_steps`` are done, or one more
@@ -299,6 +299,7 @@ class Trainer:
                 f"counted {t}; the trainer's state is inconsistent (load a checkpoint)"
             )
         metrics: dict[str, float] = {}
+        lr = learning_rate(self.step_fn.optimizer, self.state.opt_state)  # this update's
 
         def before_release(stats: Any) -> None:
             metrics.update({k: float(v) for k, v in summarize(stats).items()})
@@ -313,7 +314,7 @@ class Trainer:
         self.state, _ = self.step_fn.logical_step(
             self.state, micro_batches, noise, before_release=before_release
         )
-        return metrics
+        return metrics if lr is None else {**metrics, "lr": lr}
 
     def fit(
         self, max_steps: int | None = None, callbacks: list[Any] | tuple[Any, ...] = ()

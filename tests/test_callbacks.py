@@ -26,6 +26,7 @@ from dpfunc.callbacks import (
     TensorBoard,
     logged_name,
 )
+from dpfunc.schedules import linear_warmup
 
 N, BATCH, EPOCHS = 60, 10, 2  # 6 steps an epoch, 12 in all
 STEPS_PER_EPOCH, TOTAL = 6, 12
@@ -495,3 +496,25 @@ def test_tensorboard_without_the_package_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails
     with pytest.raises(ImportError, match=r"pip install \"dpfunc\[tensorboard\]\""):
         TensorBoard(tmp_path)
+
+
+def test_the_metrics_carry_the_rate_each_update_applied(tiny):
+    param = torch.nn.Parameter(torch.zeros(1))
+    oracle = torch.optim.SGD([param], lr=0.3)  # torch's rates under its own scheduler
+    scheduler = torch.optim.lr_scheduler.LinearLR(oracle, start_factor=1 / 3, total_iters=4)
+    expected = []
+    for _ in range(8):
+        expected.append(oracle.param_groups[0]["lr"])
+        oracle.step()
+        scheduler.step()
+    rates = []
+    keep = type("Keep", (), {"on_step_end": lambda s, t, m: rates.append(m["lr"])})()
+    optimizer = dpfunc.optim.sgd(lr=linear_warmup(0.3, 4))
+    trainer = tiny(optimizer=optimizer, callbacks=[keep])
+    history = trainer.fit(max_steps=8)
+    assert rates == pytest.approx(expected, rel=1e-12) and len(set(rates)) == 5
+    assert [record["lr"] for record in history] == [rates[5], rates[7]]  # the last step's
+    unscheduled = tiny(optimizer=dpfunc.optim.scale(-0.1))  # no rate: no lr key
+    assert "lr" not in unscheduled.train_step()
+    unscheduled.fit(max_steps=1)
+    assert "lr" not in unscheduled.history[-1]
