@@ -6,6 +6,7 @@ delta."""
 import csv
 import json
 import math
+import socket
 import sys
 
 import pytest
@@ -518,3 +519,20 @@ def test_the_metrics_carry_the_rate_each_update_applied(tiny):
     assert "lr" not in unscheduled.train_step()
     unscheduled.fit(max_steps=1)
     assert "lr" not in unscheduled.history[-1]
+
+
+def test_loggers_on_a_one_rank_group_write_and_raise_together(tiny, tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dpfunc.distributed.init(init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        trainer = tiny(distributed=True)
+        assert trainer.distributed
+        path = tmp_path / "log.jsonl"
+        trainer.fit(max_steps=3, callbacks=[JSONLogger(path)])  # the flags are gathered
+        assert [line["steps"] for line in read_jsonl(path) if line["record"] == "step"] == [1, 2, 3]
+        with pytest.raises(FileExistsError, match="already holds a log"):
+            tiny(distributed=True).fit(callbacks=[JSONLogger(path)])
+    finally:
+        dpfunc.distributed.shutdown()
