@@ -1,0 +1,91 @@
+"""method="auto"'s eager choice without timing for small per-example gradients, and the plan
+function's compile-time constant mark set without importing Dynamo."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+
+import dpfunc
+from dpfunc.ghost import GhostClipper, remove_hooks
+from dpfunc.ghost import clipper as clipper_module
+
+
+def _problem(width: int):
+    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3))
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, x):
+        return functional_call(model, (p, buffers), (x[None],)).square().sum()
+
+    return model, params, loss_fn
+
+
+@pytest.mark.parametrize("threshold, timed", [(10**9, False), (0, True)])
+def test_auto_keeps_vmap_untimed_for_small_gradients(monkeypatch, threshold, timed):
+    model, params, loss_fn = _problem(8)
+    monkeypatch.setattr(clipper_module, "SMALL_GRADIENTS", threshold)
+    calls = []
+    real = clipper_module.time.perf_counter
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            calls.append(1)
+            return real()
+
+    monkeypatch.setattr(clipper_module, "time", Clock)
+    plan = GhostClipper(model, loss_fn, "auto").plan(params, torch.randn(16, 8))
+    assert bool(calls) == timed
+    if not timed:
+        assert not plan.modules and not plan.reasons  # no warning: a choice, not a fallback
+        assert dict(plan.vmapped) == {n: clipper_module.SMALL for n in params}
+    remove_hooks(model)
+
+
+def test_small_gradients_bound_counts_rows_times_parameters(monkeypatch):
+    model, params, loss_fn = _problem(8)
+    entries = 16 * sum(p.numel() for p in params.values())
+    for threshold, untimed in [(entries, True), (entries - 1, False)]:
+        monkeypatch.setattr(clipper_module, "SMALL_GRADIENTS", threshold)
+        plan = GhostClipper(model, loss_fn, "auto").plan(params, torch.randn(16, 8))
+        assert (dict(plan.vmapped) == {n: clipper_module.SMALL for n in params}) == untimed
+        remove_hooks(model)
+
+
+def test_the_auto_step_equals_the_vmap_step_when_kept_untimed():
+    model, params, loss_fn = _problem(8)
+    x, mask = torch.randn(16, 8), torch.ones(16, dtype=torch.bool)
+    noise = dpfunc.standard_normal_like(params, seed=0, step=0)
+    results = []
+    for method in ("auto", "vmap"):
+        step = dpfunc.make_train_step(
+            loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=0.5, noise_multiplier=1.0,
+            expected_batch_size=16, model=model, method=method,
+        )  # fmt: skip
+        results.append(step(step.init(params), x, mask, noise)[0].params)
+        if method == "auto":
+            assert set(step.explain(params, x).values()) == {clipper_module.SMALL}
+    for name in params:
+        torch.testing.assert_close(results[0][name], results[1][name], rtol=0, atol=0)
+    remove_hooks(model)
+
+
+def test_the_plan_mark_is_dynamos_own():
+    """The mark set without importing Dynamo is what torch.compiler's decorator sets."""
+    code = (
+        "import sys, dpfunc\n"
+        "from dpfunc.ghost import clipper\n"
+        "assert 'torch._dynamo' not in sys.modules, 'import dpfunc loaded Dynamo'\n"
+        "ours = dict(vars(clipper._plan_for))\n"
+        "import torch\n"
+        "def f(): pass\n"
+        "torch.compiler.assume_constant_result(f)\n"
+        "assert ours == dict(vars(f)), (ours, vars(f))\n"
+        "assert clipper._assume_constant_result(lambda: 0)._dynamo_marked_constant\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
