@@ -13,9 +13,9 @@ run of ``steps`` identical steps is::
     )
 
 and a training history whose noise or rate changes is the ``ComposedDpEvent``
-of its runs. dpfunc re-derives none of the mathematics: it builds these
-events, hands them to one of the library's accountants and reports the
-library's epsilon unchanged (never a smaller one).
+of its runs. dpfunc re-derives none of the mathematics: the epsilon is the
+one the library's accountants give for these events (the PLD one rounded
+up by 1e-7 relative, so never a smaller one; see "Cost" below).
 
 Two methods:
 
@@ -48,6 +48,39 @@ any example, at most) can take part. That DP-SGD computation is what
 
 For example, ``noise_multiplier=1.5``, ``sample_rate=0.04``,
 ``steps=2250``, ``delta=1e-5`` the two give epsilon 6.77 (PLD) and 7.33 (RDP).
+
+Cost, and what is cached. ``dp_accounting``'s ``PLDAccountant`` rebuilds,
+on every call, each run's one-step privacy loss distribution (a Python loop
+over ~10^5 grid points: 0.1-0.3 s) and self-composes it by FFT; the epsilon
+after each epoch of a run cost 0.4-0.6 s that way, and a calibration 1.3 s.
+Here the same computation is organised to be paid once:
+
+* the one-step distribution of each ``(noise_multiplier, sample_rate,
+  grid)`` is built once, by the library's own privacy-loss object with its
+  grid evaluated in one numpy pass, and the connect-the-dots formulas
+  (Doroshenko et al. 2022, Algorithm 1); the last 8 stay in memory (an LRU
+  cache, a few MB each at ``sample_rate=0.005``), each with its last FFT;
+* ``t`` steps (and a history of runs) compose in one FFT: the product of
+  the steps' spectra raised to their counts, over the window that the
+  Chernoff bound gives (the library's method, at more orders), whatever the
+  history's length. Only the frequencies whose power is not exactly
+  ``0.0`` in float64 are exponentiated;
+* the epsilon search scans the losses from the top in numpy blocks.
+
+An epsilon after each epoch then costs ~10-30 ms and a calibration
+0.05-0.2 s, in a fresh process (``bench/accounting.md``). The result is the
+library's pessimistic upper bound: the same grid, the same rounding, the
+tails it cuts (at most 1e-15 of mass per run, by the Chernoff bound) counted
+as infinite loss as the library counts them. The arithmetic differs from the
+library's only in floating-point rounding (FFT sizes, summation order:
+about 1e-9 relative, measured); the PLD epsilon is rounded up by 1e-7
+relative to cover it, so it is never below the library's and within 1e-6 of
+it (``tests/test_accounting.py`` compares them over a grid). RDP is the
+library's arithmetic exactly: one step's RDP per ``(noise_multiplier,
+sample_rate)`` is cached (256 of them) and multiplied by the step counts.
+Results of whole histories are cached too (256, keyed by the runs and
+delta). If a future ``dp_accounting`` lacks the internals these paths read,
+every epsilon comes from its accountants instead, as slow as they are.
 """
 
 from __future__ import annotations
@@ -56,10 +89,16 @@ import contextlib
 import functools
 import logging
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import dp_accounting
+import numpy as np
+import scipy.fft
+import scipy.special
+from dp_accounting.pld import privacy_loss_mechanism as _plm
+from dp_accounting.rdp import rdp_privacy_accountant as _rdp_module
 
 from .checks import check_choice, check_int, check_number
 
@@ -83,11 +122,30 @@ default, and the setting the reference numbers were computed with)."""
 
 # calibrate_noise_multiplier stops once its bracket has hi / lo <= 1 + this.
 _CALIBRATION_RTOL = 1e-3
+# Secant steps of calibrate_noise_multiplier's coarse search, at most.
+_SECANT_STEPS = 8
 # Bracketing gives up beyond these noise multipliers (see calibrate_noise_multiplier).
 _SIGMA_MIN = 1e-3
 _SIGMA_MAX = 1e6
 
 History = list[tuple[float, float, int]]
+Runs = tuple[tuple[float, float, int], ...]
+
+_pld = dp_accounting.pld
+_RDP_ORDERS = np.asarray(_rdp_module.DEFAULT_RDP_ORDERS, dtype=np.float64)
+# The fast paths read a few of dp_accounting's internals (checked here, and
+# against the library's own accountants in the tests); without them every
+# epsilon comes from the library's accountants, as slow as they are.
+_FAST = all(
+    hasattr(owner, name)
+    for owner, name in [
+        (_rdp_module, "_compute_rdp_poisson_subsampled_gaussian"),
+        (_rdp_module, "compute_epsilon"),
+        (_plm.GaussianPrivacyLoss, "connect_dots_bounds"),
+        (_plm.GaussianPrivacyLoss, "mu_upper_cdf"),
+        (_plm.GaussianPrivacyLoss, "mu_lower_log_cdf"),
+    ]
+)
 
 
 # --------------------------------------------------------------------------
@@ -125,7 +183,36 @@ def _check_target_epsilon(value: Any) -> float:
 
 # --------------------------------------------------------------------------
 # The dp_accounting layer.
+#
+# The library's PLDAccountant rebuilds every run's single-step PLD and
+# self-composes it on each call; both are cached or done once here (module
+# docstring, "Cost"). The pieces below use the library's construction and
+# its formulas; where they compute in their own way (the vectorised
+# divergence, the spectrum kept across calls, the window of the FFT, the
+# epsilon search in one numpy pass) the tests compare them with the library.
 # --------------------------------------------------------------------------
+
+# Probability mass a self-composition may cut from its tails (the library's
+# default tail_mass_truncation); the cut mass is counted as infinite loss.
+_TAIL_MASS = 1e-15
+# The (noise_multiplier, sample_rate, grid) single steps kept, each with its
+# distributions and one spectrum (a few MB at sample_rate 0.005, grid 1e-4).
+_STEP_CACHE_SIZE = 8
+# Calibration's first search, on a coarser grid (a cheap guess; never the answer).
+_COARSE_VALUE_DISCRETIZATION_INTERVAL = 1e-3
+# The reported PLD epsilon is the computed one times (1 + this): it covers the
+# floating-point differences (about 1e-9 relative in the tests) between this
+# module's arithmetic and the library's, so it is never below the library's.
+_PLD_ROUND_UP = 1e-7
+# The library's tolerance for divergences that grow along the grid (rounding).
+_DELTA_DIFF_TOLERANCE = 1e-12
+# Chernoff orders, times 1 / support size (the library uses 1..20; more distant
+# ones give narrower windows after many compositions).
+_CHERNOFF_ORDERS = (1, 2, 3, 5, 8, 13, 20, 35, 60, 100, 180, 300, 550, 1000)
+# Losses per block of the epsilon search (_pmf_epsilon).
+_EPSILON_BLOCK = 1 << 14
+# exp(x) is exactly 0.0 in float64 below this (the smallest subnormal is exp(-745.1)).
+_LOG_UNDERFLOW = -750.0
 
 
 def _make_accountant(method: str) -> dp_accounting.PrivacyAccountant:
@@ -157,28 +244,325 @@ def _run_event(noise_multiplier: float, sample_rate: float, steps: int) -> dp_ac
     return dp_accounting.SelfComposedDpEvent(step, steps)
 
 
+def _library_epsilon(runs: Runs, delta: float, method: str, interval: float) -> float:
+    """The epsilon of ``runs`` exactly as ``dp_accounting``'s accountant computes it (slow)."""
+    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
+    if method == "pld":
+        accountant = _pld.PLDAccountant(relation, value_discretization_interval=interval)
+    else:
+        accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
+    with _quiet_absl():
+        accountant.compose(dp_accounting.ComposedDpEvent([_run_event(*run) for run in runs]))
+        return float(accountant.get_epsilon(delta))
+
+
+class _GaussianLoss(_plm.GaussianPrivacyLoss):
+    """The library's privacy loss of the (Poisson-subsampled) Gaussian mechanism.
+
+    Only :meth:`get_delta_for_epsilon` changes: the library inverts the
+    privacy loss one epsilon at a time in Python, ~10^5 times per
+    distribution; here the same closed forms (stated in the library's
+    docstrings) run over the whole grid in numpy. Add and remove neighbours,
+    sensitivity 1.
+    """
+
+    def get_delta_for_epsilon(self, epsilon):  # noqa: D102 (the library's contract)
+        adjacency = _plm.AdjacencyType
+        if isinstance(epsilon, numbers.Number) or self.adjacency_type not in (
+            adjacency.ADD,
+            adjacency.REMOVE,
+        ):
+            return super().get_delta_for_epsilon(epsilon)
+        eps = np.asarray(epsilon, dtype=np.float64)
+        deltas = np.zeros_like(eps)
+        q, add = self.sampling_prob, self.adjacency_type == adjacency.ADD
+        if q == 1.0:
+            inside = np.ones(eps.shape, dtype=bool)
+        elif add:  # the divergence is 0 from epsilon = -log(1 - q) on
+            inside = eps < -math.log1p(-q)
+        else:  # and 1 - exp(epsilon) up to log(1 - q)
+            inside = eps > math.log1p(-q)
+            deltas[~inside] = -np.expm1(eps[~inside])
+        loss = eps[inside]
+        if q < 1.0:  # privacy loss without subsampling: +-log(1 + (exp(+-loss) - 1) / q)
+            edge = -math.log(1 - q) if add else math.log(1 - q)
+            at_edge = np.abs(loss - edge) <= 1e-9 * np.maximum(np.abs(loss), abs(edge))
+            b = -loss if add else loss
+            a, c = 1 / q, 1 - 1 / q
+            d = b + np.log(a)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                unsampled = np.where(b == 0, np.log(a + c), d + np.log1p(-np.exp(np.log(-c) - d)))
+            if add:
+                unsampled = -unsampled
+            if np.any(~at_edge & (np.log(-c) >= d)):
+                return super().get_delta_for_epsilon(epsilon)  # outside the closed form
+            unsampled = np.where(at_edge, -np.inf if not add else np.inf, unsampled)
+        else:
+            unsampled = loss
+        sens, var = self.sensitivity, self._standard_deviation**2
+        x = -0.5 * sens - unsampled * var / sens
+        if add:
+            x = sens + x
+        deltas[inside] = self.mu_upper_cdf(x) - np.exp(loss + self.mu_lower_log_cdf(x))
+        return np.clip(deltas, 0, 1)
+
+
+class _StepLoss:
+    """One side (remove or add neighbours) of one step's discretised PLD, ready to compose.
+
+    ``probs[i]`` is the mass of the loss ``(lower + i) * interval``,
+    ``inf_mass`` that of an infinite loss. Also holds the log moment
+    generating function at the Chernoff orders (for :meth:`window`) and the
+    last spectrum computed (for :func:`_composed_side`).
+    """
+
+    def __init__(self, lower: int, probs: np.ndarray, inf_mass: float) -> None:
+        probs.setflags(write=False)
+        self.lower, self.probs, self.inf_mass = lower, probs, inf_mass
+        size = len(probs)
+        # log E[exp(t i)] at t = +-m / size, m in _CHERNOFF_ORDERS.
+        with np.errstate(divide="ignore"):
+            log_probs = np.log(probs)
+        positions = np.arange(size, dtype=np.float64) / size
+        logs = {}
+        for m in (*_CHERNOFF_ORDERS, *(-m for m in _CHERNOFF_ORDERS)):
+            exponent = positions * m + log_probs
+            peak = float(exponent.max())
+            logs[m] = peak + math.log(float(np.exp(exponent - peak).sum()))
+        order = sorted(logs)
+        self.orders = np.array(order, dtype=np.float64) / size
+        self.log_mgfs = np.array([logs[m] for m in order])
+        self._spectrum: tuple[int, Any, Any] = (0, None, None)
+
+    def window(self, count: int) -> tuple[int, int]:
+        """Index range holding all but ``_TAIL_MASS`` of ``count`` self-compositions.
+
+        The Chernoff bound at each order, as in the library's
+        ``compute_self_convolve_bounds`` (here at orders further out too,
+        which narrow the window after many compositions).
+        """
+        lower, upper = 0, (len(self.probs) - 1) * count
+        bounds = (count * self.log_mgfs + math.log(2 / _TAIL_MASS)) / self.orders
+        for order, bound in zip(self.orders, bounds):
+            if math.isfinite(bound):
+                if order > 0:
+                    upper = min(upper, math.ceil(bound))
+                else:
+                    lower = max(lower, math.floor(bound))
+        return lower, upper
+
+    def spectrum(self, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(rfft(probs, size), log of its modulus)``, kept until another size is asked for."""
+        cached = self._spectrum  # one read: another thread may replace it meanwhile
+        if cached[0] != size:
+            transform = scipy.fft.rfft(self.probs, size)
+            with np.errstate(divide="ignore"):
+                cached = (size, transform, np.log(np.abs(transform)))
+            self._spectrum = cached
+        return cached[1], cached[2]
+
+
+def _connect_the_dots(loss: _GaussianLoss, interval: float) -> tuple[int, np.ndarray, float]:
+    """``(lower, probs, inf_mass)``: the pessimistic connect-the-dots PLD of ``loss``.
+
+    Doroshenko et al. 2022, Algorithm 1, on the grid of multiples of
+    ``interval`` between the mechanism's connect-the-dots bounds: what the
+    library's ``_create_pld_pmf_from_monotone_privacy_loss`` and
+    ``create_pmf_pessimistic_connect_dots_fixed_gap`` compute, without their
+    detour through a dict of every grid point. With ``d = interval`` and
+    ``delta_i`` the divergence at the i-th grid point (made non-increasing):
+    ``p_1 = 1 - delta_1 + (delta_2 - delta_1) / (e^d - 1)``, ``p_i =
+    ((delta_{i+1} - delta_i) - e^d (delta_i - delta_{i-1})) / (e^d - 1)``,
+    ``p_n = (delta_n - delta_{n-1}) / (e^-d - 1)``, all clipped at 0, and
+    ``delta_n`` on the infinite loss.
+
+    Raises:
+        ValueError: the divergences increase (as the library does).
+    """
+    bounds = loss.connect_dots_bounds()
+    first = math.floor(bounds.epsilon_lower / interval)
+    last = math.ceil(bounds.epsilon_upper / interval)
+    deltas = np.asarray(
+        loss.get_delta_for_epsilon(np.arange(first, last + 1) * interval), dtype=np.float64
+    )
+    if first == last:
+        return first, np.array([1 - deltas[0]]), float(deltas[0])
+    if np.any(np.diff(deltas) > _DELTA_DIFF_TOLERANCE):
+        raise ValueError(f"deltas are not in non-increasing order: deltas={deltas}")
+    deltas = np.minimum.accumulate(deltas)
+    diffs = np.diff(deltas)
+    probs = np.zeros_like(deltas)
+    probs[0] = 1 - deltas[0] + diffs[0] / math.expm1(interval)
+    probs[1:-1] = (diffs[1:] - diffs[:-1] * math.exp(interval)) / math.expm1(interval)
+    probs[-1] = diffs[-1] / math.expm1(-interval)
+    return first, np.maximum(0.0, probs), float(deltas[-1])
+
+
+@functools.lru_cache(maxsize=_STEP_CACHE_SIZE)
+def _step_losses(sigma: float, rate: float, interval: float) -> tuple[_StepLoss, _StepLoss]:
+    """(remove, add) sides of one Poisson-sampled Gaussian step's PLD (one object if rate = 1).
+
+    The library's ``from_gaussian_mechanism`` with its defaults
+    (connect-the-dots, pessimistic, sensitivity 1, log mass truncation -50),
+    computed by :class:`_GaussianLoss` and :func:`_connect_the_dots`.
+    """
+
+    def side(adjacency: Any) -> _StepLoss:
+        loss = _GaussianLoss(sigma, sampling_prob=rate, adjacency_type=adjacency)
+        return _StepLoss(*_connect_the_dots(loss, interval))
+
+    remove = side(_plm.AdjacencyType.REMOVE)
+    return (remove, remove) if rate == 1.0 else (remove, side(_plm.AdjacencyType.ADD))
+
+
+def _fft_size(need: int, have: int) -> int:
+    """The transform size for ``need`` points when the spectrum at hand has ``have`` (0: none).
+
+    ``have`` if it fits without much waste; else a fast size, with a quarter
+    more room when a spectrum was already there (a run that grows, whose next
+    compositions then reuse it).
+    """
+    if need <= have <= 2 * need:
+        return have
+    return scipy.fft.next_fast_len(need + need // 4 if have else need, real=True)
+
+
+def _composed_side(parts: list[tuple[_StepLoss, int]]) -> tuple[int, np.ndarray, float]:
+    """``(lower, probs, inf_mass)`` of the composition of ``count`` copies of each part.
+
+    The convolution runs in one FFT: the product of the parts' spectra, each
+    raised to its count. Each part's Chernoff window (:meth:`_StepLoss.window`)
+    loses at most ``_TAIL_MASS``; the sum lies outside the sum of the windows
+    with at most that much per part, which is counted as infinite loss (what
+    the library's ``self_compose`` does for one part). Mass outside the
+    window wraps around into it, as in the library.
+    """
+    windows = [step.window(count) for step, count in parts]
+    start = sum(lo for lo, _ in windows)
+    length = sum(hi - lo for lo, hi in windows) + 1
+    need = max(length, *(len(step.probs) for step, _ in parts))
+    size = _fft_size(need, parts[0][0]._spectrum[0])
+    spectra = [(count, *step.spectrum(size)) for step, count in parts]
+    # Only the low frequencies survive the powers: exp() of the rest is exactly 0.0.
+    keep = np.flatnonzero(sum(count * modulus for count, _, modulus in spectra) > _LOG_UNDERFLOW)
+    spectrum = np.zeros(size // 2 + 1, dtype=np.complex128)
+    spectrum[keep] = np.exp(sum(count * np.log(full[keep]) for count, full, _ in spectra))
+    probs = np.roll(scipy.fft.irfft(spectrum, size), -start)[:length]
+    lower = sum(step.lower * count for step, count in parts) + start
+    log_keep = sum(count * math.log1p(-step.inf_mass) for step, count in parts)
+    return lower, probs, _TAIL_MASS * len(parts) - math.expm1(log_keep)
+
+
+def _pmf_epsilon(lower: int, probs: np.ndarray, inf_mass: float, interval: float, delta: float):
+    """The smallest epsilon whose hockey-stick divergence is at most ``delta``.
+
+    The library's ``_get_epsilon_for_delta``: a scan from the largest loss
+    down, accumulating the upper mass and the lower mass (``exp(-loss)``
+    times it), that stops where the epsilon it would return,
+    ``log((upper - delta) / lower)``, is at least the next loss. Here the
+    scan runs in numpy over blocks of losses from the top and stops at the
+    first block holding that point; the test is written without the
+    logarithm (the result is continuous there, so ties do not matter).
+    """
+    if inf_mass > delta:
+        return math.inf
+    top = lower + len(probs) - 1
+    mass_upper, mass_lower = inf_mass, 0.0
+    rise = _exp_steps(interval)  # exp(i * interval)
+    for begin in range(0, len(probs), _EPSILON_BLOCK):
+        p = probs[len(probs) - 1 - begin :: -1][:_EPSILON_BLOCK]
+        first = (top - begin) * interval  # losses: first - i * interval
+        decay = math.exp(-first) * rise[: len(p)]  # exp(-loss)
+        upper = np.cumsum(np.concatenate(([mass_upper], p)))  # [i]: mass above loss i
+        lower_mass = np.cumsum(np.concatenate(([mass_lower], decay * p)))
+        before_upper, before_lower = upper[:-1], lower_mass[:-1]
+        stop = (
+            (before_upper > delta)
+            & (before_lower > 0)
+            & ((before_upper - delta) * decay >= before_lower)
+        )
+        end = int(np.argmax(stop)) if stop.any() else len(p)
+        flat = (upper[1 : end + 1] >= delta) & (lower_mass[1 : end + 1] == 0)
+        if flat.any():  # exp(-loss) underflowed: epsilon is that loss
+            return max(0.0, first - int(np.argmax(flat)) * interval)
+        mass_upper, mass_lower = float(upper[end]), float(lower_mass[end])
+        if end < len(p):
+            break
+    if mass_upper <= mass_lower + delta:
+        return 0.0
+    return math.log((mass_upper - delta) / mass_lower)
+
+
+@functools.lru_cache(maxsize=4)
+def _exp_steps(interval: float) -> np.ndarray:
+    """``exp(i * interval)`` for ``i < _EPSILON_BLOCK`` (read-only)."""
+    steps = np.exp(np.arange(_EPSILON_BLOCK) * interval)
+    steps.setflags(write=False)
+    return steps
+
+
+def _pld_epsilon(runs: Runs, delta: float, interval: float, above: float = math.inf) -> float:
+    """PLD epsilon of validated runs (all ``sigma > 0``, ``steps > 0``), rounded up (see
+    ``_PLD_ROUND_UP``): the larger of the remove and the add side's.
+
+    With ``above`` finite, stops after the remove side if that alone gives
+    more than ``above``: the value returned is then a lower bound on the
+    epsilon, enough to show it exceeds ``above`` (calibration's use).
+    """
+    losses = [(_step_losses(sigma, rate, interval), steps) for sigma, rate, steps in runs]
+    symmetric = all(rate == 1.0 for _, rate, _ in runs)
+    eps = 0.0
+    for side in (0,) if symmetric else (0, 1):
+        composed = _composed_side([(pair[side], steps) for pair, steps in losses])
+        eps = max(eps, _pmf_epsilon(*composed, interval, delta) * (1 + _PLD_ROUND_UP))
+        if eps > above:
+            break
+    return eps
+
+
+@functools.lru_cache(maxsize=256)
+def _rdp_orders(sigma: float, rate: float) -> np.ndarray:
+    """One step's RDP at the library's default orders (cached: RDP composes by addition)."""
+    with _quiet_absl():  # orders that do not converge are left out: still an upper bound
+        rdp = _rdp_module._compute_rdp_poisson_subsampled_gaussian(
+            q=rate, noise_multiplier=sigma, orders=_RDP_ORDERS
+        )
+    rdp.setflags(write=False)
+    return rdp
+
+
+def _rdp_epsilon(runs: Runs, delta: float) -> float:
+    """RDP epsilon of validated runs: the library's sum over runs and conversion, exactly."""
+    rdp = np.zeros_like(_RDP_ORDERS, dtype=np.float64)
+    for sigma, rate, steps in runs:
+        rdp += steps * _rdp_orders(sigma, rate)
+    with _quiet_absl():
+        return float(_rdp_module.compute_epsilon(_RDP_ORDERS, rdp, delta)[0])
+
+
 def _history_epsilon(history: History, delta: float, method: str) -> float:
     """Epsilon of already-validated runs ``(noise_multiplier, sample_rate, steps)``.
 
     Memoised (a pure function of its arguments): runs that repeat one
-    configuration, such as the audits of :mod:`dpfunc.audit`, pay for the
-    PLD construction once.
+    configuration, such as the audits of :mod:`dpfunc.audit`, pay once.
     """
-    return _runs_epsilon(tuple(tuple(run) for run in history if run[2] > 0), delta, method)
+    runs = tuple(tuple(run) for run in history if run[2] > 0)
+    return _runs_epsilon(runs, delta, method, PLD_VALUE_DISCRETIZATION_INTERVAL)
 
 
 @functools.lru_cache(maxsize=256)
-def _runs_epsilon(runs: tuple[tuple[float, float, int], ...], delta: float, method: str) -> float:
+def _runs_epsilon(runs: Runs, delta: float, method: str, interval: float) -> float:
     if not runs:
         return 0.0
     if any(sigma == 0.0 for sigma, _, _ in runs):
         # A noiseless step releases a deterministic function of the data.
         return math.inf
-    event = dp_accounting.ComposedDpEvent([_run_event(*run) for run in runs])
-    accountant = _make_accountant(method)
-    with _quiet_absl():  # RDP orders that do not converge are left out: still an upper bound
-        accountant.compose(event)
-        eps = float(accountant.get_epsilon(delta))
+    if not _FAST:
+        eps = _library_epsilon(runs, delta, method, interval)
+    elif method == "pld":
+        eps = _pld_epsilon(runs, delta, interval)
+    else:
+        eps = _rdp_epsilon(runs, delta)
     return max(eps, 0.0) if not math.isnan(eps) else math.inf
 
 
@@ -244,10 +628,12 @@ def epsilon(
     examples are sampled independently with probability ``sample_rate``, and
     Gaussian noise with standard deviation ``noise_multiplier`` times the
     sensitivity (the clip norm) is added. Neighbouring datasets differ by
-    adding or removing one example. The number is ``dp_accounting``'s,
-    unchanged: the PLD accountant (Koskela et al. 2020; Doroshenko et al.
-    2022) with ``value_discretization_interval=1e-4`` for ``"pld"``, the RDP
-    accountant (Mironov 2017) with its default orders for ``"rdp"``.
+    adding or removing one example. The number is ``dp_accounting``'s: the
+    PLD accountant's (Koskela et al. 2020; Doroshenko et al. 2022) with
+    ``value_discretization_interval=1e-4`` for ``"pld"``, rounded up by 1e-7
+    relative (never below it; the module docstring says why and what is
+    cached), the RDP accountant's (Mironov 2017) with its default orders,
+    exactly, for ``"rdp"``.
 
     Args:
         noise_multiplier: noise standard deviation over clip norm, ``>= 0``.
@@ -348,14 +734,18 @@ def calibrate_noise_multiplier(
       the target (epsilon decreases as sigma grows).
 
     How: a bracket ``eps(lo) > target >= eps(hi)`` is grown geometrically
-    around a first guess (for ``"pld"`` the cheap RDP calibration, which
-    usually lands within ~10% above PLD's answer), then shrunk until
-    ``hi / lo <= 1.001`` by interpolating ``log eps`` linearly in
-    ``log sigma`` and probing just either side of the estimate, with
-    bisection as the fallback whenever that does not halve the bracket.
-    ``hi`` is returned. A PLD calibration typically costs four to eight PLD
-    evaluations (about half a second each for 10^4 steps at sigma ~ 1; more
-    for large epsilons, whose loss distributions are wider).
+    around a first guess, then shrunk until ``hi / lo <= 1.001`` by
+    interpolating ``log eps`` linearly in ``log sigma`` and probing just
+    either side of the estimate, with bisection as the fallback whenever
+    that does not halve the bracket. ``hi`` is returned. For ``"pld"`` the
+    first guess comes from the Gaussian-DP approximation (Dong, Roth & Su
+    2019), refined by a few secant steps on the PLD epsilon over a coarser
+    grid (1e-3, ~10x cheaper); the bracket then starts at that guess with
+    factor 1.001, and usually closes after two evaluations on the 1e-4 grid
+    (the second on the remove side only, when that alone exceeds the
+    target). Neither the approximation nor the coarse grid decides the
+    answer: both ends of the bracket are checked with :func:`epsilon`'s own
+    computation. About 0.05-0.2 s in a fresh process (``bench/accounting.md``).
 
     Args:
         target_epsilon: the privacy budget, a finite number ``> 0``.
@@ -383,7 +773,7 @@ def calibrate_noise_multiplier(
     bands = _check_bands(bands)
     if steps == 0:
         return 0.0
-    rtol = _CALIBRATION_RTOL
+    rounds = participations(steps, bands)
 
     def out_of_range() -> ValueError:
         return ValueError(
@@ -393,19 +783,99 @@ def calibrate_noise_multiplier(
         )
 
     def eps(sigma: float) -> float:
-        # The public function itself, so the returned sigma is checked with it.
-        return epsilon(sigma, rate, steps, delta, method, bands=bands)
+        # What epsilon() returns for sigma, so the returned sigma is checked with it; for
+        # PLD, a lower bound on it where that alone exceeds the target (_pld_epsilon).
+        if method == "rdp" or not _FAST:
+            return _history_epsilon([(sigma, rate, rounds)], delta, method)
+        runs = ((sigma, rate, rounds),)
+        return _pld_epsilon(runs, delta, PLD_VALUE_DISCRETIZATION_INTERVAL, above=target)
 
-    # First guess and initial growth factor of the bracket.
-    guess, factor = 1.0, 2.0
+    guess, factor = 1.0, 2.0  # first guess and initial growth factor of the bracket
     if method == "pld":
-        # Outside RDP's search range: let PLD's own bracketing decide. RDP's notes
-        # about orders it excludes concern only this guess, which PLD then checks.
-        with contextlib.suppress(ValueError), _quiet_absl():
-            guess = calibrate_noise_multiplier(target, delta, rate, steps, "rdp", bands=bands)
-            factor = 1.1
+        # The Gaussian-DP approximation, then a search on the coarse grid, place the
+        # fine search; their answers are only guesses, which it checks from both sides.
+        def coarse(sigma: float) -> float:
+            runs = ((sigma, rate, rounds),)
+            return _runs_epsilon(runs, delta, "pld", _COARSE_VALUE_DISCRETIZATION_INTERVAL)
 
-    lo, e_lo, hi, e_hi = _bracket(eps, target, guess, factor, out_of_range)
+        guess = _secant_search(coarse, target, _gdp_guess(target, delta, rate, rounds))
+        factor = 1 + _CALIBRATION_RTOL
+    bracket = _bracket(eps, target, guess, factor, out_of_range)
+    sigma, e_sigma = _shrink(eps, target, bracket, _CALIBRATION_RTOL)
+    if not e_sigma <= target:  # the loop invariant; cannot fail
+        raise RuntimeError(f"calibration failed: epsilon({sigma}) = {e_sigma} > {target}")
+    return sigma
+
+
+def _gdp_guess(target: float, delta: float, rate: float, steps: int) -> float:
+    """A noise multiplier near the answer, from the Gaussian-DP approximation (a guess only).
+
+    ``steps`` Poisson-sampled Gaussian steps are about ``mu``-GDP with ``mu =
+    rate * sqrt(steps * (exp(sigma**-2) - 1))`` (Bu, Dong, Long & Su 2020;
+    exact at ``rate = 1``), and ``mu``-GDP is ``(eps, delta)``-DP for
+    ``delta = Phi(-eps/mu + mu/2) - exp(eps) Phi(-eps/mu - mu/2)`` (Dong, Roth &
+    Su 2019). Solves for ``mu`` by bisection, then for ``sigma``.
+    """
+
+    def gdp_delta(mu: float) -> float:
+        def phi(x: float) -> float:
+            return 0.5 * math.erfc(-x / math.sqrt(2))
+
+        tail = phi(-target / mu - mu / 2)
+        return phi(-target / mu + mu / 2) - (math.exp(target) * tail if tail > 0 else 0.0)
+
+    low, high = 1e-6, 1e3  # gdp_delta grows with mu
+    for _ in range(60):
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if gdp_delta(mid) < delta else (low, mid)
+    spread = (low / rate) ** 2 / steps  # exp(sigma**-2) - 1
+    return min(max(1 / math.sqrt(math.log1p(spread)), 10 * _SIGMA_MIN), _SIGMA_MAX / 10)
+
+
+def _secant_search(eps: Callable[[float], float], target: float, guess: float) -> float:
+    """A noise multiplier whose ``eps`` is close to ``target``, by secant steps in log-log.
+
+    A guess only (the caller checks it): a few steps from ``guess``, each
+    limited to a factor of 4 and kept inside the search range, stopping once
+    a step changes sigma by less than ``_CALIBRATION_RTOL / 8``.
+    """
+    points = []  # (log sigma, log eps), the two latest
+    sigma = guess
+    for _ in range(_SECANT_STEPS):
+        e = eps(sigma)
+        if not 0.0 < e < math.inf:  # no slope to follow: step towards the target
+            step = math.log(4.0) if e == math.inf else -math.log(4.0)
+            points.clear()
+        else:
+            points = [*points[-1:], (math.log(sigma), math.log(e))]
+            if len(points) < 2 or points[0][0] == points[1][0]:
+                step = math.log(1.1) if e > target else -math.log(1.1)
+            else:
+                (x0, y0), (x1, y1) = points
+                slope = (y1 - y0) / (x1 - x0)
+                if not slope < 0:  # epsilon must fall as sigma grows
+                    break
+                step = (math.log(target) - y1) / slope
+        step = min(max(step, -math.log(4.0)), math.log(4.0))
+        sigma = min(max(sigma * math.exp(step), _SIGMA_MIN), _SIGMA_MAX)
+        if abs(step) < _CALIBRATION_RTOL / 8:
+            break
+    return sigma
+
+
+def _shrink(
+    eps: Callable[[float], float],
+    target: float,
+    bracket: tuple[float, float, float, float],
+    rtol: float,
+) -> tuple[float, float]:
+    """``(hi, eps(hi))`` once ``bracket = (lo, eps(lo), hi, eps(hi))`` has ``hi / lo <= 1 + rtol``.
+
+    Keeps ``eps(lo) > target >= eps(hi)``. Interpolates ``log eps`` linearly
+    in ``log sigma`` and probes just either side of the estimate, with
+    bisection whenever that does not halve the bracket's log-width.
+    """
+    lo, e_lo, hi, e_hi = bracket
 
     def probe(sigma: float) -> None:
         nonlocal lo, e_lo, hi, e_hi
@@ -415,7 +885,6 @@ def calibrate_noise_multiplier(
         else:
             lo, e_lo = sigma, e
 
-    # Shrink the bracket to hi / lo <= 1 + rtol.
     bisect = False
     while hi / lo > 1 + rtol:
         before = hi / lo
@@ -433,10 +902,7 @@ def calibrate_noise_multiplier(
             if hi != old_hi and hi / lo > 1 + rtol:
                 probe(max(hi / (1 + rtol), lo * inner))
         bisect = hi / lo > math.sqrt(before)  # the log-width did not halve
-
-    if not e_hi <= target:  # the loop invariant; cannot fail
-        raise RuntimeError(f"calibration failed: epsilon({hi}) = {e_hi} > {target}")
-    return hi
+    return hi, e_hi
 
 
 def max_steps_within(
@@ -488,9 +954,13 @@ class Accountant:
     consecutive steps with the same ``(noise_multiplier, sample_rate)`` are
     merged into one run, so a hundred thousand ``step`` calls at a constant
     setting stay one entry and :meth:`epsilon` composes one
-    ``SelfComposedDpEvent`` per run (``ComposedDpEvent`` over runs). A noise
-    schedule that changes every step therefore costs one PLD construction per
-    step in :meth:`epsilon`; change it in stages if that becomes slow.
+    ``SelfComposedDpEvent`` per run (``ComposedDpEvent`` over runs). Its PLD
+    epsilon composes all runs in one FFT, from one-step distributions built
+    once per ``(noise_multiplier, sample_rate)`` (the last 8 are kept; see the
+    module docstring), so a constant setting costs ~10-30 ms per call
+    whatever the step count; a noise schedule that changes every step builds
+    one distribution per distinct setting, so change it in stages if that
+    becomes slow.
 
     Epsilon is that of the whole history under add/remove-one neighbours,
     computed by ``dp_accounting`` (see :func:`epsilon`):
