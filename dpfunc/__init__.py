@@ -5,13 +5,24 @@ The model becomes a pytree of parameters; each example's gradient comes from
 noise and average them; the step compiles with ``torch.compile``.
 """
 
-from . import accounting, audit, data, distributed, matrix_factorization, optim, schedules
+from . import (
+    accounting,
+    audit,
+    callbacks,
+    data,
+    distributed,
+    matrix_factorization,
+    optim,
+    report,
+    schedules,
+)
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
 from .config import DPConfig
 from .functional import check_per_example, functionalize, replace_batchnorm
 from .noise import add_noise, average, secret_seed, standard_normal_like
 from .per_sample import per_sample_grads, per_sample_grads_and_losses
 from .private import LogicalBatch, PrivateGradients
+from .report import PrivacyReport, privacy_report
 from .step import ExampleStats, TrainState, TrainStep, make_train_step, summarize
 from .trainer import Trainer
 
@@ -21,12 +32,14 @@ __all__ = [
     "DPConfig",
     "ExampleStats",
     "LogicalBatch",
+    "PrivacyReport",
     "PrivateGradients",
     "TrainState",
     "TrainStep",
     "Trainer",
     "accounting",
     "audit",
+    "callbacks",
     "data",
     "distributed",
     "add_noise",
@@ -42,7 +55,9 @@ __all__ = [
     "per_sample_grads",
     "per_sample_grads_and_losses",
     "per_sample_norms",
+    "privacy_report",
     "replace_batchnorm",
+    "report",
     "schedules",
     "secret_seed",
     "standard_normal_like",

@@ -64,7 +64,7 @@ from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPIN
 from .ghost import GhostClipper, ghost_clip
 from .noise import NoiseState, add_noise, average, standard_normal_like
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
-from .tree import Params, PyTree, check_same_structure, tree_add, tree_map
+from .tree import Params, PyTree, check_same_structure, tree_add, tree_leaves, tree_map
 
 SUM_DTYPE = torch.float64  # the running clipped sum of a logical batch
 METHODS = ("auto", "vmap", "ghost")
@@ -395,7 +395,8 @@ class TrainStep:
         clip = self.clip_norm if clip_norm is None else clip_norm
         size = batch_size(batch)
         if mask is None:
-            mask = torch.ones(size, dtype=torch.bool)
+            leaves = tree_leaves(batch)  # every row is real, on the batch's device
+            mask = torch.ones(size, dtype=torch.bool, device=leaves[0].device if leaves else None)
         if tuple(mask.shape) != (size,):
             raise ValueError(
                 f"mask must have shape ({size},) to match the batch, got {tuple(mask.shape)}"

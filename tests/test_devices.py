@@ -159,11 +159,6 @@ def test_a_cuda_step_equals_the_cpu_step(classifier, classification_data, method
 
 
 @cuda
-@pytest.mark.xfail(
-    strict=True,
-    reason="TrainStep.clip builds the mask=None default on the CPU (torch.ones(size, dtype=bool) "
-    "without the batch's device), so a CUDA batch fails in _apply_mask",
-)
 def test_mask_none_on_cuda_means_every_row(classifier, classification_data):
     model, _, params, loss_fn = cuda_classifier(classifier)
     x, y = (t.cuda() for t in classification_data(8))
