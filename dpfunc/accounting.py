@@ -59,7 +59,7 @@ Here the same computation is organised to be paid once:
   grid)`` is built once, by the library's own privacy-loss object with its
   grid evaluated in one numpy pass, and the connect-the-dots formulas
   (Doroshenko et al. 2022, Algorithm 1); the last 8 stay in memory (an LRU
-  cache, a few MB each at ``sample_rate=0.005``), each with its last FFT;
+  cache, up to ~10 MB each at ``sample_rate=0.005``), each with its last FFT;
 * ``t`` steps (and a history of runs) compose in one FFT: the product of
   the steps' spectra raised to their counts, over the window that the
   Chernoff bound gives (the library's method, at more orders), whatever the
@@ -96,7 +96,6 @@ from typing import Any
 import dp_accounting
 import numpy as np
 import scipy.fft
-import scipy.special
 from dp_accounting.pld import privacy_loss_mechanism as _plm
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_module
 
@@ -131,7 +130,6 @@ _SIGMA_MAX = 1e6
 History = list[tuple[float, float, int]]
 Runs = tuple[tuple[float, float, int], ...]
 
-_pld = dp_accounting.pld
 _RDP_ORDERS = np.asarray(_rdp_module.DEFAULT_RDP_ORDERS, dtype=np.float64)
 # The fast paths read a few of dp_accounting's internals (checked here, and
 # against the library's own accountants in the tests); without them every
@@ -189,14 +187,14 @@ def _check_target_epsilon(value: Any) -> float:
 # docstring, "Cost"). The pieces below use the library's construction and
 # its formulas; where they compute in their own way (the vectorised
 # divergence, the spectrum kept across calls, the window of the FFT, the
-# epsilon search in one numpy pass) the tests compare them with the library.
+# epsilon search in numpy blocks) the tests compare them with the library.
 # --------------------------------------------------------------------------
 
 # Probability mass a self-composition may cut from its tails (the library's
 # default tail_mass_truncation); the cut mass is counted as infinite loss.
 _TAIL_MASS = 1e-15
 # The (noise_multiplier, sample_rate, grid) single steps kept, each with its
-# distributions and one spectrum (a few MB at sample_rate 0.005, grid 1e-4).
+# distributions and one spectrum (up to ~10 MB at sample_rate 0.005, grid 1e-4).
 _STEP_CACHE_SIZE = 8
 # Calibration's first search, on a coarser grid (a cheap guess; never the answer).
 _COARSE_VALUE_DISCRETIZATION_INTERVAL = 1e-3
@@ -213,16 +211,6 @@ _CHERNOFF_ORDERS = (1, 2, 3, 5, 8, 13, 20, 35, 60, 100, 180, 300, 550, 1000)
 _EPSILON_BLOCK = 1 << 14
 # exp(x) is exactly 0.0 in float64 below this (the smallest subnormal is exp(-745.1)).
 _LOG_UNDERFLOW = -750.0
-
-
-def _make_accountant(method: str) -> dp_accounting.PrivacyAccountant:
-    relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
-    if method == "pld":
-        return dp_accounting.pld.PLDAccountant(
-            neighboring_relation=relation,
-            value_discretization_interval=PLD_VALUE_DISCRETIZATION_INTERVAL,
-        )
-    return dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
 
 
 @contextlib.contextmanager
@@ -248,7 +236,9 @@ def _library_epsilon(runs: Runs, delta: float, method: str, interval: float) -> 
     """The epsilon of ``runs`` exactly as ``dp_accounting``'s accountant computes it (slow)."""
     relation = dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE
     if method == "pld":
-        accountant = _pld.PLDAccountant(relation, value_discretization_interval=interval)
+        accountant = dp_accounting.pld.PLDAccountant(
+            relation, value_discretization_interval=interval
+        )
     else:
         accountant = dp_accounting.rdp.RdpAccountant(neighboring_relation=relation)
     with _quiet_absl():
@@ -266,7 +256,12 @@ class _GaussianLoss(_plm.GaussianPrivacyLoss):
     sensitivity 1.
     """
 
-    def get_delta_for_epsilon(self, epsilon):  # noqa: D102 (the library's contract)
+    def __init__(self, standard_deviation: float, **kwargs: Any) -> None:
+        super().__init__(standard_deviation, **kwargs)
+        self._sigma = standard_deviation
+
+    def get_delta_for_epsilon(self, epsilon):
+        """The hockey-stick divergence at each ``epsilon`` (the library's contract)."""
         adjacency = _plm.AdjacencyType
         if isinstance(epsilon, numbers.Number) or self.adjacency_type not in (
             adjacency.ADD,
@@ -294,12 +289,12 @@ class _GaussianLoss(_plm.GaussianPrivacyLoss):
                 unsampled = np.where(b == 0, np.log(a + c), d + np.log1p(-np.exp(np.log(-c) - d)))
             if add:
                 unsampled = -unsampled
-            if np.any(~at_edge & (np.log(-c) >= d)):
+            if np.any(~at_edge & (b != 0) & (np.log(-c) >= d)):
                 return super().get_delta_for_epsilon(epsilon)  # outside the closed form
-            unsampled = np.where(at_edge, -np.inf if not add else np.inf, unsampled)
+            unsampled = np.where(at_edge, np.inf if add else -np.inf, unsampled)
         else:
             unsampled = loss
-        sens, var = self.sensitivity, self._standard_deviation**2
+        sens, var = self.sensitivity, self._sigma**2
         x = -0.5 * sens - unsampled * var / sens
         if add:
             x = sens + x
