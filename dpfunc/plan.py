@@ -29,6 +29,7 @@ from .clipping import ACCUMULATED_SUMS
 from .config import DPConfig
 from .data import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
+from .report import steps_within_budget
 
 __all__ = ["RunPlan"]
 
@@ -178,14 +179,15 @@ class RunPlan:
         config = self.config
         if config.epsilon_budget is None:
             return self.total_steps
-        if self._budget_steps is None:
+        if self._budget_steps is None and self.total_steps is not None:
+            self._budget_steps = steps_within_budget(
+                config, self.num_examples, config.epsilon_budget, config.delta
+            )
+        elif self._budget_steps is None:  # the budget alone bounds the run
             event = config.accounting_event(self.num_examples)
-            bound = self.total_steps
-            if bound is None:  # the budget alone bounds the run: search up to where it must end
-                bound = _steps_bound(config, event)
             self._budget_steps = max_steps_within(
-                config.epsilon_budget, config.delta, *event, bound, config.accounting,
-                bands=config.bands,
+                config.epsilon_budget, config.delta, *event, _steps_bound(config, event),
+                config.accounting, bands=config.bands,
             )  # fmt: skip
         return self._budget_steps
 

@@ -22,9 +22,7 @@ Distributed: launch every rank with ``torchrun`` and call
 
 from __future__ import annotations
 
-import math
 import os
-import warnings
 from typing import Any
 
 from torch import nn
@@ -32,15 +30,12 @@ from torch import nn
 from . import checkpoint as _checkpoint
 from . import distributed as _distributed
 from . import optim
-from .accounting import epsilon as _epsilon
 from .callbacks import StepMeter, built_in, check_callbacks, learning_rate, run_hook
 from .checks import check_choice, check_int, check_params
-from .clipping import ACCUMULATED_SUMS
 from .config import DPConfig, config_from
-from .data import as_dataset, dataset_fingerprint, dataset_size
-from .noise import check_seed, secret_seed, standard_normal_like
 from .per_sample import LossFn
-from .report import PrivacyReport, privacy_report, steps_within_budget
+from .plan import RunPlan
+from .report import PrivacyReport, privacy_report
 from .step import NONFINITE, NoiseAhead, TrainState, check_nonfinite, make_train_step, summarize
 from .tree import Params
 
@@ -132,107 +127,44 @@ class Trainer:
     ):
         run = {name: options.pop(name, default) for name, default in OPTIONS.items()}
         config = config_from("Trainer", config, options)
-        dataset = as_dataset(dataset)  # numpy, lists, DataLoaders, ...: read once, here
-        n = dataset_size(dataset)
-        if n < 1:
-            raise ValueError("dataset is empty: DP-SGD needs at least one example, got 0")
         check_params(params)
         before, after = built_in(run.pop("eval_fn"), run.pop("checkpoint_path"),
                                  run.pop("checkpoint_every"), progress)  # fmt: skip
         user_callbacks = check_callbacks(callbacks)
         check_choice("nonfinite", run["nonfinite"], NONFINITE)
-        self.distributed, self.rank, self.world_size = _distributed.resolve(run["distributed"])
-        if config.epochs is None:
-            raise ValueError(
-                "the Trainer plans config.epochs passes over the data; give "
-                "DPConfig(epochs=...), got epochs=None"
-            )
-        self.config = config = config.calibrated(n)
-        self.num_examples = n
-        self.sample_rate = config.sample_rate(n)
-        self.steps_per_epoch = config.steps_per_epoch(n)
-        self.total_steps = config.total_steps(n)
-        physical_batch_size = self._physical_batch_size(physical_batch_size)
-        if seed is not None:
-            check_seed(seed)
-        self.adopts_seed = seed is None  # may take a loaded checkpoint's secret seed
-        self.seed_is_secret = seed is None  # drawn from the OS CSPRNG, here or by a loaded run
-        if seed is None:
-            seed = _distributed.shared_secret_seed() if self.distributed else secret_seed()
-        if config.secure_noise:  # without cryptography, fail here rather than at the first step
-            standard_normal_like({}, seed=seed, step=0, secure=True)
+        self.plan = plan = RunPlan(
+            "Trainer", config, dataset, physical_batch_size=physical_batch_size, seed=seed,
+            distributed=run["distributed"], require_epochs=True,
+        )  # fmt: skip
+        self.config = config = plan.config
+        self.batches = plan.batches  # the Poisson sampler the secret seed keys
         self.nonfinite = run["nonfinite"]
         self._warned_nonfinite = False
-        if self.distributed:
-            self._check_ranks_agree(dataset, seed, physical_batch_size)
-        make_step = _distributed.make_train_step if self.distributed else make_train_step
+        make_step = _distributed.make_train_step if plan.distributed else make_train_step
         self.step_fn = make_step(
             loss_fn, optimizer, config, model=model, method=method, chunk_size=chunk_size
         )
         if compile:
             self.step_fn.compile()  # the collectives run eagerly between the compiled pieces
-        self.batches = config.sampler(
-            dataset, physical_batch_size, seed=seed, rank=self.rank, world_size=self.world_size
-        )
         self.state: TrainState = self.step_fn.init(params)  # distributed: rank 0's params
         self.accountant = config.accountant()
         self.history: list[dict[str, float]] = []
-        self._budget_steps: int | None = None  # see _last_step_within_budget
         self.stop_training = False  # a callback sets it to stop fit (see dpfunc.callbacks)
         self._noise = NoiseAhead(self.step_fn)  # the same on every rank, drawn ahead
-        self._check_plan()
         self.callbacks = before + user_callbacks + after
         run_hook(self.callbacks, "on_init", self)
 
-    def _physical_batch_size(self, size: int | None) -> int:
-        if size is None:
-            share = self.config.expected_batch_size / self.world_size  # each rank's share
-            size = math.ceil(share + 3 * math.sqrt(share))
-        check_int("physical_batch_size", size, minimum=1)
-        if math.ceil(self.num_examples / size) + self.world_size > ACCUMULATED_SUMS:
-            raise ValueError(  # the clip margin covers this many float64 additions
-                f"physical_batch_size={size!r} could split a logical batch of "
-                f"{self.num_examples} examples into more than {ACCUMULATED_SUMS} micro-batches, "
-                "beyond what the rounding bound of the clipped sum covers; raise "
-                "physical_batch_size"
-            )
-        return size
-
-    def _check_ranks_agree(self, dataset: Any, seed: int, physical_batch_size: int) -> None:
-        config = self.config
-        _distributed.check_same_across_ranks(
-            {
-                "num_examples": self.num_examples,
-                "config": repr(config),
-                "seed": seed,
-                "physical_batch_size": physical_batch_size,
-                "total_steps": self.total_steps,
-                "dataset": dataset_fingerprint(dataset),
-            },
-            "Trainer settings",
-            secret=("seed",),
-        )
-
-    def _check_plan(self) -> None:
-        config = self.config
-        if config.epsilon_budget is not None:
-            event = config.accounting_event(self.num_examples)
-            one_step = _epsilon(*event, 1, config.delta, config.accounting, bands=config.bands)
-            if one_step > config.epsilon_budget:
-                raise ValueError(
-                    f"epsilon_budget={config.epsilon_budget!r} at delta={config.delta!r} does not "
-                    f"allow a single step: one step already spends epsilon={one_step:.4g}; raise "
-                    "the budget or the noise"
-                )
-        if config.noise_multiplier > config.expected_batch_size:
-            warnings.warn(
-                f"noise_multiplier={config.noise_multiplier:.6g} exceeds expected_batch_size="
-                f"{config.expected_batch_size!r}: the noise on every coordinate of the averaged "
-                "update is larger than a whole clipped gradient, so training will hardly move. "
-                "Raise target_epsilon or expected_batch_size, or train fewer epochs.",
-                stacklevel=3,
-            )
-
+    # the run's plan (dpfunc.plan.RunPlan), as the Trainer names it
+    num_examples = property(lambda self: self.plan.num_examples)
+    sample_rate = property(lambda self: self.plan.sample_rate)
+    steps_per_epoch = property(lambda self: self.plan.steps_per_epoch)
+    total_steps = property(lambda self: self.plan.total_steps)
+    physical_batch_size = property(lambda self: self.plan.physical_batch_size)
+    distributed = property(lambda self: self.plan.distributed)
+    rank = property(lambda self: self.plan.rank)
+    world_size = property(lambda self: self.plan.world_size)
+    adopts_seed = property(lambda self: self.plan.adopts_seed)
+    seed_is_secret = property(lambda self: self.plan.seed_is_secret)
     params = property(lambda self: self.state.params)
     noise_multiplier = property(lambda self: self.config.noise_multiplier)
     accounted_noise_multiplier = property(lambda self: self.config.accounted_noise_multiplier)
@@ -241,12 +173,11 @@ class Trainer:
     expected_batch_size = property(lambda self: float(self.config.expected_batch_size))
     bands = property(lambda self: self.config.bands)
     secure_noise = property(lambda self: self.config.secure_noise)
-    physical_batch_size = property(lambda self: self.batches.physical_batch_size)
 
     @property
     def seed(self) -> int:
         """The secret that keys the samples, the partitions and the noise (never print it)."""
-        return self.batches.seed
+        return self.plan.seed
 
     @property
     def clip_norm(self) -> float:
@@ -286,13 +217,7 @@ class Trainer:
                 nothing of the step is released then.
         """
         t = self.steps_done
-        if t >= self._last_step_within_budget():
-            limit = (
-                f"epsilon_budget={self.epsilon_budget!r} at delta={self.delta!r}"
-                if t < self.total_steps
-                else f"the planned total_steps={self.total_steps}"
-            )
-            raise RuntimeError(f"step {t + 1} would exceed {limit}; training is over")
+        self.plan.check_next_step(t)
         if int(self.state.step) != t:
             raise RuntimeError(
                 f"the optimizer has taken {int(self.state.step)} steps but the accountant "
@@ -308,7 +233,7 @@ class Trainer:
             # accounted before the release: an interruption can only over-count
             self.accountant.step(*self.config.accounting_event(self.num_examples))
 
-        limit = self._last_step_within_budget()  # draws ahead only a step that may come
+        limit = self.plan.last_step()  # draws ahead only a step that may come
         noise = self._noise.draw(self.state.params, self.seed, t, ahead=t + 1 < limit)
         micro_batches, _ = self.batches.logical_batch(t)
         self.state, _ = self.step_fn.logical_step(
@@ -337,7 +262,7 @@ class Trainer:
         epochs (budget, ``max_steps`` or a callback), so the last record
         always holds the epsilon of the parameters returned.
         """
-        stop_at = self._last_step_within_budget()
+        stop_at = self.plan.last_step()
         if max_steps is not None:
             check_int("max_steps", max_steps)
             stop_at = min(stop_at, self.steps_done + max_steps)
@@ -355,15 +280,6 @@ class Trainer:
             run_hook(active, "on_epoch_end", self, meter.record(self))
         run_hook(active, "on_fit_end", self, self.history)
         return self.history
-
-    def _last_step_within_budget(self) -> int:
-        """The largest step count <= total_steps within the budget (computed once: all
-        steps are the same (noise_multiplier, sample_rate), so it does not change)."""
-        if self._budget_steps is None:
-            self._budget_steps = steps_within_budget(
-                self.config, self.num_examples, self.epsilon_budget, self.delta
-            )
-        return self._budget_steps
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes a checkpoint atomically (:func:`dpfunc.checkpoint.save`).
@@ -387,9 +303,7 @@ class Trainer:
     def restore(self, state: TrainState, accountant: Any, history: list, seed: int) -> None:
         """Takes a validated checkpoint's contents (called by :func:`dpfunc.checkpoint.load`)."""
         self.state, self.accountant, self.history = state, accountant, history
-        if seed != self.seed:  # adopted (see dpfunc.checkpoint): a secret drawn by the saved run
-            self.batches.seed, self.seed_is_secret = seed, True  # partitions derived again
-        self._budget_steps = None
+        self.plan.adopt_seed(seed)  # a secret drawn by the saved run: partitions derived again
 
 
 __all__ = ["Trainer"]

@@ -386,7 +386,7 @@ def test_a_csv_log_refuses_a_row_with_a_new_key_and_another_runs_header(tiny, tm
 
 def test_loggers_write_on_rank_0_only_and_check_their_arguments(tiny, tmp_path):
     trainer = tiny()
-    trainer.rank = 1  # what another rank sees
+    trainer.plan.rank = 1  # what another rank sees
     trainer.fit(max_steps=2, callbacks=[CSVLogger(tmp_path / "a.csv"), JSONLogger(tmp_path / "b")])
     assert not (tmp_path / "a.csv").exists() and not (tmp_path / "b").exists()
     with pytest.raises(ValueError, match="does not exist"):
