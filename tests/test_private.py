@@ -66,8 +66,9 @@ def train(private, optimizer, steps=None):
         {"method": "vmap", "physical_batch_size": 3},  # several micro-batches per step
         {"bands": 3, "expected_batch_size": 4.0},  # correlated noise, cyclic Poisson sampling
         {"target_quantile": 0.5, "count_noise_multiplier": 5.0},  # adaptive clipping
+        {"secure_noise": True},  # the ChaCha20 generator
     ],
-    ids=["auto", "vmap-accumulated", "bands", "adaptive"],
+    ids=["auto", "vmap-accumulated", "bands", "adaptive", "secure"],
 )
 def test_torch_sgd_on_private_gradients_equals_the_trainer(options):
     model = mlp()
