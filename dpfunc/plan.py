@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from . import distributed as _distributed
@@ -29,9 +30,10 @@ from .clipping import ACCUMULATED_SUMS
 from .config import DPConfig
 from .data import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
-from .report import steps_within_budget
+from .report import PrivacyReport, privacy_report, steps_within_budget
+from .step import ExampleStats, TrainState, check_nonfinite, summarize
 
-__all__ = ["RunPlan"]
+__all__ = ["PlannedRun", "RunPlan"]
 
 
 class RunPlan:
@@ -214,3 +216,87 @@ def _steps_bound(config: DPConfig, event: Any) -> int:
     ):
         steps *= 2
     return steps
+
+
+class PlannedRun:
+    """What the Trainer and PrivateGradients share: a plan, an accountant and a train state.
+
+    A subclass sets ``plan`` (a :class:`RunPlan`), ``config`` (its calibrated
+    config), ``accountant``, ``state`` (a :class:`dpfunc.TrainState`),
+    ``history``, ``nonfinite`` and ``_warned_nonfinite``; this class names
+    the run's settings, reports its privacy and releases its steps in order:
+    every step is accounted, after its sums and before its release.
+    """
+
+    plan: RunPlan
+    config: DPConfig
+    state: TrainState
+
+    # the run's plan and settings, by their names in the paper and the config
+    num_examples = property(lambda self: self.plan.num_examples)
+    sample_rate = property(lambda self: self.plan.sample_rate)
+    steps_per_epoch = property(lambda self: self.plan.steps_per_epoch)
+    total_steps = property(lambda self: self.plan.total_steps)
+    physical_batch_size = property(lambda self: self.plan.physical_batch_size)
+    distributed = property(lambda self: self.plan.distributed)
+    rank = property(lambda self: self.plan.rank)
+    world_size = property(lambda self: self.plan.world_size)
+    adopts_seed = property(lambda self: self.plan.adopts_seed)
+    seed_is_secret = property(lambda self: self.plan.seed_is_secret)
+    noise_multiplier = property(lambda self: self.config.noise_multiplier)
+    accounted_noise_multiplier = property(lambda self: self.config.accounted_noise_multiplier)
+    delta = property(lambda self: self.config.delta)
+    epsilon_budget = property(lambda self: self.config.epsilon_budget)
+    expected_batch_size = property(lambda self: float(self.config.expected_batch_size))
+    bands = property(lambda self: self.config.bands)
+    secure_noise = property(lambda self: self.config.secure_noise)
+
+    @property
+    def seed(self) -> int:
+        """The secret that keys the samples, the partitions and the noise (never print it)."""
+        return self.plan.seed
+
+    @property
+    def clip_norm(self) -> float:
+        """The clip norm of the next step (it moves with adaptive clipping)."""
+        return float(self.state.clip_state.clip_norm)
+
+    @property
+    def steps_done(self) -> int:
+        """Logical steps released, each accounted before its release."""
+        return self.accountant.steps
+
+    def epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent so far at ``delta`` (default ``self.delta``): the accountant's value.
+
+        Raises:
+            ValueError: ``delta`` is not a number in ``(0, 1)``.
+        """
+        return self.accountant.epsilon(self.delta if delta is None else delta)
+
+    def privacy_report(self, delta: float | None = None) -> PrivacyReport:
+        """The run's privacy so far, as text (``str``) and data (``.as_dict()``), at ``delta``.
+
+        See :func:`dpfunc.report.privacy_report`: epsilon, delta, the
+        accountant, sigma, q, the steps done and planned, the sampling, the
+        noise generator, the seed, and what the guarantee does not cover.
+        """
+        return privacy_report(self.config, self.accountant, self.num_examples,
+                              seed_is_secret=self.seed_is_secret, delta=delta)  # fmt: skip
+
+    def restore(self, state: TrainState, accountant: Any, history: list, seed: int) -> None:
+        """Takes a validated checkpoint's contents (:func:`dpfunc.checkpoint.from_state_dict`)."""
+        self.state, self.accountant, self.history = state, accountant, history
+        self.plan.adopt_seed(seed)  # a secret drawn by the saved run: partitions derived again
+
+    def _before_release(self, t: int, metrics: dict[str, float]) -> Callable[[ExampleStats], None]:
+        """Step ``t``'s check before its release: metrics, non-finite examples, accounting."""
+
+        def before_release(stats: ExampleStats) -> None:
+            metrics.update({k: float(v) for k, v in summarize(stats).items()})
+            warned = check_nonfinite(metrics, t, self.nonfinite, warn=not self._warned_nonfinite)
+            self._warned_nonfinite |= warned
+            # accounted before the release: an interruption can only over-count
+            self.accountant.step(*self.config.accounting_event(self.num_examples))
+
+        return before_release

@@ -49,9 +49,8 @@ from .config import DPConfig, config_from
 from .data import MicroBatch
 from .functional import functionalize
 from .per_sample import LossFn
-from .plan import RunPlan
-from .report import PrivacyReport, privacy_report
-from .step import NONFINITE, NoiseAhead, StepNoise, TrainState, check_nonfinite, summarize
+from .plan import PlannedRun, RunPlan
+from .step import NONFINITE, NoiseAhead, StepNoise, TrainState
 from .step import make_train_step as _make_train_step
 from .tree import Params, tree_map
 
@@ -77,7 +76,7 @@ class LogicalBatch(NamedTuple):
         return f"LogicalBatch(step={self.step}, micro_batches={len(self.micro_batches)})"
 
 
-class PrivateGradients:
+class PrivateGradients(PlannedRun):
     """DP-SGD's private gradients for any ``torch.optim`` optimizer (see the module docstring).
 
     Args:
@@ -161,36 +160,6 @@ class PrivateGradients:
         self.history: list[dict[str, float]] = []  # for checkpoints; PrivateGradients keeps none
         self._noise = NoiseAhead(self.step_fn)
 
-    # the run's settings, as the Trainer names them
-    num_examples = property(lambda self: self.plan.num_examples)
-    sample_rate = property(lambda self: self.plan.sample_rate)
-    steps_per_epoch = property(lambda self: self.plan.steps_per_epoch)
-    total_steps = property(lambda self: self.plan.total_steps)
-    physical_batch_size = property(lambda self: self.plan.physical_batch_size)
-    distributed = property(lambda self: self.plan.distributed)
-    rank = property(lambda self: self.plan.rank)
-    world_size = property(lambda self: self.plan.world_size)
-    adopts_seed = property(lambda self: self.plan.adopts_seed)
-    seed_is_secret = property(lambda self: self.plan.seed_is_secret)
-    noise_multiplier = property(lambda self: self.config.noise_multiplier)
-    delta = property(lambda self: self.config.delta)
-    expected_batch_size = property(lambda self: float(self.config.expected_batch_size))
-
-    @property
-    def seed(self) -> int:
-        """The secret that keys the samples, the partitions and the noise (never print it)."""
-        return self.plan.seed
-
-    @property
-    def clip_norm(self) -> float:
-        """The clip norm of the next step (it moves with adaptive clipping)."""
-        return float(self.state.clip_state.clip_norm)
-
-    @property
-    def steps_done(self) -> int:
-        """Logical steps released (each accounted before its release)."""
-        return self.accountant.steps
-
     def batches(self, steps: int | None = None) -> Iterator[LogicalBatch]:
         """Yields the next logical batches, from step :attr:`steps_done` on.
 
@@ -263,40 +232,13 @@ class PrivateGradients:
         state = self._state_for(params)
         noise = self._draw_noise(params, t)
         metrics: dict[str, float] = {}
-
-        def before_release(stats: Any) -> None:
-            metrics.update({k: float(v) for k, v in summarize(stats).items()})
-            warned = check_nonfinite(metrics, t, self.nonfinite, warn=not self._warned_nonfinite)
-            self._warned_nonfinite |= warned
-            # accounted before the release: an interruption can only over-count
-            self.accountant.step(*self.config.accounting_event(self.num_examples))
-
         private, state, _ = self.step_fn.logical_gradient(
-            state, batch.micro_batches, noise, before_release=before_release
+            state, batch.micro_batches, noise, before_release=self._before_release(t, metrics)
         )
         for name, p in self._trainable:
             p.grad = private[name].to(p.dtype)
         self.state = state._replace(params=params)
         return metrics
-
-    def epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far at ``delta`` (default: the config's), the accountant's value.
-
-        Raises:
-            ValueError: ``delta`` outside ``(0, 1)``.
-        """
-        return self.accountant.epsilon(self.delta if delta is None else delta)
-
-    def privacy_report(self, delta: float | None = None) -> PrivacyReport:
-        """The run's guarantee and what it does not cover (:func:`dpfunc.report.privacy_report`).
-
-        ``str(report)`` is text; ``report.as_dict()`` a dict. Its epsilon is
-        :meth:`epsilon` at ``delta`` (default: the config's).
-        """
-        return privacy_report(
-            self.config, self.accountant, self.num_examples,
-            seed_is_secret=self.seed_is_secret, delta=delta,
-        )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
         """What an exact resume needs besides the model's and the optimizer's own state dicts.
@@ -323,11 +265,6 @@ class PrivateGradients:
                 seed or version, or malformed; nothing changes then.
         """
         self.restore(*_checkpoint.from_state_dict(self, state_dict, "state_dict", _PARTS))
-
-    def restore(self, state: TrainState, accountant: Any, history: list, seed: int) -> None:
-        """Takes a validated state's contents (called by :meth:`load_state_dict`)."""
-        self.state, self.accountant, self.history = state, accountant, history
-        self.plan.adopt_seed(seed)
 
     def _live_params(self) -> Params:
         """The model's trainable parameters now, detached (no copy), after checking them."""

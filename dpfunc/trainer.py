@@ -34,9 +34,8 @@ from .callbacks import StepMeter, built_in, check_callbacks, learning_rate, run_
 from .checks import check_choice, check_int, check_params
 from .config import DPConfig, config_from
 from .per_sample import LossFn
-from .plan import RunPlan
-from .report import PrivacyReport, privacy_report
-from .step import NONFINITE, NoiseAhead, TrainState, check_nonfinite, make_train_step, summarize
+from .plan import PlannedRun, RunPlan
+from .step import NONFINITE, NoiseAhead, TrainState, make_train_step
 from .tree import Params
 
 # keyword options beside the privacy settings, with their defaults (see Trainer)
@@ -49,7 +48,7 @@ OPTIONS = {
 }
 
 
-class Trainer:
+class Trainer(PlannedRun):
     """Private training of ``params`` on ``dataset`` with DP-SGD.
 
     Args:
@@ -154,57 +153,7 @@ class Trainer:
         self.callbacks = before + user_callbacks + after
         run_hook(self.callbacks, "on_init", self)
 
-    # the run's plan (dpfunc.plan.RunPlan), as the Trainer names it
-    num_examples = property(lambda self: self.plan.num_examples)
-    sample_rate = property(lambda self: self.plan.sample_rate)
-    steps_per_epoch = property(lambda self: self.plan.steps_per_epoch)
-    total_steps = property(lambda self: self.plan.total_steps)
-    physical_batch_size = property(lambda self: self.plan.physical_batch_size)
-    distributed = property(lambda self: self.plan.distributed)
-    rank = property(lambda self: self.plan.rank)
-    world_size = property(lambda self: self.plan.world_size)
-    adopts_seed = property(lambda self: self.plan.adopts_seed)
-    seed_is_secret = property(lambda self: self.plan.seed_is_secret)
     params = property(lambda self: self.state.params)
-    noise_multiplier = property(lambda self: self.config.noise_multiplier)
-    accounted_noise_multiplier = property(lambda self: self.config.accounted_noise_multiplier)
-    delta = property(lambda self: self.config.delta)
-    epsilon_budget = property(lambda self: self.config.epsilon_budget)
-    expected_batch_size = property(lambda self: float(self.config.expected_batch_size))
-    bands = property(lambda self: self.config.bands)
-    secure_noise = property(lambda self: self.config.secure_noise)
-
-    @property
-    def seed(self) -> int:
-        """The secret that keys the samples, the partitions and the noise (never print it)."""
-        return self.plan.seed
-
-    @property
-    def clip_norm(self) -> float:
-        """The clip norm of the next step (it moves with adaptive clipping)."""
-        return float(self.state.clip_state.clip_norm)
-
-    @property
-    def steps_done(self) -> int:
-        return self.accountant.steps
-
-    def epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent so far at ``delta`` (default ``self.delta``): the accountant's value.
-
-        Raises:
-            ValueError: ``delta`` is not a number in ``(0, 1)``.
-        """
-        return self.accountant.epsilon(self.delta if delta is None else delta)
-
-    def privacy_report(self, delta: float | None = None) -> PrivacyReport:
-        """The run's privacy so far, as text (``str``) and data (``.as_dict()``), at ``delta``.
-
-        See :func:`dpfunc.report.privacy_report`: epsilon, delta, the
-        accountant, sigma, q, the steps done and planned, the sampling, the
-        noise generator, the seed, and what the guarantee does not cover.
-        """
-        return privacy_report(self.config, self.accountant, self.num_examples,
-                              seed_is_secret=self.seed_is_secret, delta=delta)  # fmt: skip
 
     def train_step(self) -> dict[str, float]:
         """One logical DP-SGD step; returns its (non-private) metrics as floats, and ``lr``.
@@ -226,18 +175,11 @@ class Trainer:
         metrics: dict[str, float] = {}
         lr = learning_rate(self.step_fn.optimizer, self.state.opt_state)  # this update's
 
-        def before_release(stats: Any) -> None:
-            metrics.update({k: float(v) for k, v in summarize(stats).items()})
-            warned = check_nonfinite(metrics, t, self.nonfinite, warn=not self._warned_nonfinite)
-            self._warned_nonfinite |= warned
-            # accounted before the release: an interruption can only over-count
-            self.accountant.step(*self.config.accounting_event(self.num_examples))
-
         limit = self.plan.last_step()  # draws ahead only a step that may come
         noise = self._noise.draw(self.state.params, self.seed, t, ahead=t + 1 < limit)
         micro_batches, _ = self.batches.logical_batch(t)
         self.state, _ = self.step_fn.logical_step(
-            self.state, micro_batches, noise, before_release=before_release
+            self.state, micro_batches, noise, before_release=self._before_release(t, metrics)
         )
         return metrics if lr is None else {**metrics, "lr": lr}
 
@@ -299,11 +241,6 @@ class Trainer:
                 named); the trainer is left unchanged.
         """
         _checkpoint.load(self, path)
-
-    def restore(self, state: TrainState, accountant: Any, history: list, seed: int) -> None:
-        """Takes a validated checkpoint's contents (called by :func:`dpfunc.checkpoint.load`)."""
-        self.state, self.accountant, self.history = state, accountant, history
-        self.plan.adopt_seed(seed)  # a secret drawn by the saved run: partitions derived again
 
 
 __all__ = ["Trainer"]
