@@ -7,7 +7,7 @@ Expected epsilons and noise multipliers come from ``tests/reference/accounting.j
 dpfunc's PLD epsilon is the library's rounded up by 1e-7 relative (its own
 arithmetic, cached, differs from the library's by floating-point rounding), so
 PLD values are checked with :func:`assert_pld_matches`: never below the
-library's, and within 1e-6 of it.
+library's, and within 1e-6 of it for delta >= 1e-8.
 """
 
 from __future__ import annotations
@@ -395,6 +395,10 @@ def test_pld_is_never_below_the_library_from_scratch(run):
     library = library_accountant([run], "pld")
     for delta in (1e-3, 1e-5, 1e-8):
         assert_pld_matches(epsilon(*run, delta), library.get_epsilon(delta))
+    # At a tiny delta the tail allowances (1e-15 of mass per run, at infinite loss) weigh
+    # more: still never below the library, and at most 1e-3 above it.
+    got, theirs = epsilon(*run, 1e-12), library.get_epsilon(1e-12)
+    assert theirs <= got <= theirs * (1 + 1e-3)
 
 
 @pytest.mark.parametrize("method", ["pld", "rdp"])
