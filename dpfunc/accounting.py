@@ -211,6 +211,8 @@ _DELTA_DIFF_TOLERANCE = 1e-12
 # Chernoff orders, times -1 / support size, beyond the library's 1..20: they narrow
 # the lower end of the window after many compositions.
 _FAR_ORDERS = (35, 60, 100, 180, 300, 550, 1000)
+# Ratio between consecutive FFT sizes (_fft_size).
+_FFT_LADDER = 1.2
 # Losses per block of the epsilon search (_pmf_epsilon).
 _EPSILON_BLOCK = 1 << 14
 # exp(x) is exactly 0.0 in float64 below this (the smallest subnormal is exp(-745.1)).
@@ -419,16 +421,16 @@ def _step_losses(sigma: float, rate: float, interval: float) -> tuple[_StepLoss,
     return (remove, remove) if rate == 1.0 else (remove, side(_plm.AdjacencyType.ADD))
 
 
-def _fft_size(need: int, have: int) -> int:
-    """The transform size for ``need`` points when the spectrum at hand has ``have`` (0: none).
+def _fft_size(need: int) -> int:
+    """The transform size for ``need`` points: the first rung of a ladder (ratio 1.2) above it.
 
-    ``have`` if it fits without much waste; else a fast size, with a quarter
-    more room when a spectrum was already there (a run that grows, whose next
-    compositions then reuse it).
+    A function of ``need`` alone, so the same history always gets the same
+    arithmetic (the epsilon calibration checks is the one :func:`epsilon`
+    returns later, whatever was cached in between); the rungs leave room for a
+    run that grows, whose later compositions reuse the spectrum at hand.
     """
-    if need <= have <= 2 * need:
-        return have
-    return scipy.fft.next_fast_len(need + need // 4 if have else need, real=True)
+    rung = math.ceil(math.log(need) / math.log(_FFT_LADDER) - 1e-9)
+    return scipy.fft.next_fast_len(max(need, math.ceil(_FFT_LADDER**rung)), real=True)
 
 
 def _composed_side(parts: list[tuple[_StepLoss, int]]) -> tuple[int, np.ndarray, float]:
@@ -449,7 +451,7 @@ def _composed_side(parts: list[tuple[_StepLoss, int]]) -> tuple[int, np.ndarray,
     start = sum(lo for lo, _ in windows)
     length = sum(hi - lo for lo, hi in windows) + 1
     need = max(length, *(len(step.probs) for step, _ in parts))
-    size = _fft_size(need, parts[0][0]._spectrum[0])
+    size = _fft_size(need)
     spectra = [(count, *step.spectrum(size)) for step, count in parts]
     # Only the low frequencies survive the powers: exp() of the rest is exactly 0.0.
     keep = np.flatnonzero(sum(count * modulus for count, _, modulus in spectra) > _LOG_UNDERFLOW)

@@ -498,3 +498,14 @@ def test_calibration_contract_for_the_digits_runs(sample_rate, steps):
     assert epsilon(sigma / 1.001, sample_rate, steps, delta) > target
     # And the library itself, from scratch, agrees that sigma meets the target.
     assert library_accountant([(sigma, sample_rate, steps)], "pld").get_epsilon(delta) <= target
+
+
+def test_epsilon_does_not_depend_on_what_was_cached():
+    """The same history gets the same arithmetic whatever ran before (the FFT size is a
+    function of the history), so the epsilon calibration checked is the one reported."""
+    runs = ((1.0, 0.05, 120),)
+    clear_caches()
+    fresh = accounting._pld_epsilon(runs, 1e-5, 1e-4)
+    for steps in (5, 2000, 40):  # other step counts leave other spectra cached
+        accounting._pld_epsilon(((1.0, 0.05, steps),), 1e-5, 1e-4)
+    assert accounting._pld_epsilon(runs, 1e-5, 1e-4) == fresh
