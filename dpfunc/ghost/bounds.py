@@ -187,11 +187,11 @@ def _left_gram(lj: Tensor, lk: Tensor) -> Tensor:
     return torch.bmm(lj, lk.mT)
 
 
-def _sites_norms(sites: Sites) -> Tensor:
+def _sites_norms(sites: Sites, batch: int | None = None) -> Tensor:
     """The Gram form of :func:`linear_weight_norms` over every pair of sites, with its bounds."""
     forms = sites.forms
     dtype = forms[0].right.dtype
-    b = forms[0].right.shape[0]
+    b = forms[0].right.shape[0] if batch is None else batch
     t = sum(f.right.shape[1] for f in forms)
     p = max(f.left.shape[-1] for f in forms if not _is_index(f.left))
     gram = torch.zeros(b, dtype=F64, device=forms[0].right.device)
@@ -211,24 +211,30 @@ def _sites_norms(sites: Sites) -> Tensor:
     return (norm + gamma(b * t + len(forms) + 2, dtype) * s).square()
 
 
-def form_norms(form: Outer | Sites | Tensor) -> Tensor:
+def form_norms(form: Outer | Sites | Tensor, batch: int | None = None) -> Tensor:
     """Each example's squared gradient norm, an upper bound on the contribution
     :func:`form_sum` sums (rounding included), float64 ``[B]``. Half forms are
-    widened first (:func:`widen_form`), so the bounds are float32's."""
+    widened first (:func:`widen_form`), so the bounds are float32's.
+
+    ``batch``: the rows the sum's rounding bound counts, at least ``B``; the
+    physical (padded) rows of the micro-batch when padding rows were left
+    out, so that no example's bound depends on how many examples are real.
+    ``None``: ``B``."""
     if isinstance(form, Sites):
-        return _sites_norms(Sites(tuple(widen_form(f) for f in form.forms)))
+        return _sites_norms(Sites(tuple(widen_form(f) for f in form.forms)), batch)
     form = widen_form(form)
     if not isinstance(form, Outer):
         return formed_norms(form)
     left, right = form
     b, rows = right.shape[0], math.prod(right.shape[1:-1])  # every position of the batch ...
+    summed = (b if batch is None else batch) * rows
     if _is_index(left):
-        return _index_norms(left, right, b * rows)  # ... is one term of the clipped sum
+        return _index_norms(left, right, summed)  # ... is one term of the clipped sum
     groups = right.shape[1] if right.dim() == 4 else 1
     sq = linear_weight_norms(
         right.reshape(b * groups, -1, right.shape[-1]),
         left.reshape(b * groups, -1, left.shape[-1]),
-        summed_over=b * rows // groups,
+        summed_over=summed // groups,
     )
     return sq.reshape(b, groups).sum(1)
 

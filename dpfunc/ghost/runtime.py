@@ -109,6 +109,7 @@ def ghost_clip(
     clipping: ClippingPolicy | str,
     clip_norm: float | Tensor,
     chunk_size: int | None = None,
+    rows: int | None = None,
 ) -> tuple[Params, Tensor, Clipped]:
     """The clipped sum of one micro-batch by ghost clipping and book-keeping.
 
@@ -122,6 +123,11 @@ def ghost_clip(
             vmap path applies: it turns the ghost norms into clip factors.
         clip_norm: ``C``, a float or adaptive clipping's 0-d tensor.
         chunk_size: passed to ``vmap``.
+        rows: the physical (padded) rows of the micro-batch this batch was
+            taken from, which the rounding bounds of the norms and the
+            margin count; ``None``: ``B``. A caller that leaves padding rows
+            out passes the padded count: no bound may depend on the number
+            of real examples.
 
     Returns:
         ``(summed, losses[B], clipped)``: ``summed`` equals
@@ -187,7 +193,8 @@ def ghost_clip(
                     )
                 forms[name].append(widen_form(got[attr]))  # half: float32 from here on
     joined = {name: combine(parts, params[name].shape) for name, parts in forms.items()}
-    squared = {name: form_norms(form) for name, form in joined.items()}
+    rows = mask.shape[0] if rows is None else rows
+    squared = {name: form_norms(form, rows) for name, form in joined.items()}
     for name, g in other_grads.items():
         squared[name] = formed_norms(g)
 
@@ -196,7 +203,7 @@ def ghost_clip(
     # above cover this sum's rounding
     groups = policy.groups(params)
     norms = norms_from_squares({n: squared[n] for n in names}, groups)
-    clipped = policy(norms, clip_norm, mask.to(torch.bool), **rounding_scope(params, mask.shape[0]))
+    clipped = policy(norms, clip_norm, mask.to(torch.bool), **rounding_scope(params, rows))
     weights = weights_by_parameter(clipped.weights, names, groups)
 
     summed = {name: form_sum(form, weights[name], params[name].shape)
