@@ -13,7 +13,9 @@ a secret. It also states what the guarantee does not cover
 (:data:`NOT_COVERED`): a reader who publishes a model with its report should
 not have to know dpfunc's internals to see what else they must keep private.
 Every number is the accountant's or the config's, unchanged: the epsilon is
-``accountant.epsilon(delta)``, never a smaller one.
+``accountant.checked_epsilon(delta)``, the accountant's value checked
+against ``dp_accounting``'s own accountant run from scratch (the larger of
+the two), never a smaller one.
 """
 
 from __future__ import annotations
@@ -226,7 +228,8 @@ def privacy_report(
 
     Returns:
         a :class:`PrivacyReport`; its ``epsilon`` is
-        ``accountant.epsilon(delta)`` unchanged.
+        ``accountant.checked_epsilon(delta)`` (``accountant.epsilon(delta)``,
+        unless dp_accounting's accountant from scratch gives more).
 
     Raises:
         TypeError: an argument of the wrong type.
@@ -241,7 +244,8 @@ def privacy_report(
         if config.delta is None:
             raise ValueError("give delta: config.delta is None (calibrate the config first)")
         delta = config.delta
-    epsilon = accountant.epsilon(delta)  # validates delta as the accountant does
+    # validates delta as the accountant does; checked against dp_accounting from scratch
+    epsilon = accountant.checked_epsilon(delta)
     pld = config.accounting == "pld"
     grid = accounting.PLD_VALUE_DISCRETIZATION_INTERVAL if pld else None
     described = (

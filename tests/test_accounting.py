@@ -509,3 +509,22 @@ def test_epsilon_does_not_depend_on_what_was_cached():
     for steps in (5, 2000, 40):  # other step counts leave other spectra cached
         accounting._pld_epsilon(((1.0, 0.05, steps),), 1e-5, 1e-4)
     assert accounting._pld_epsilon(runs, 1e-5, 1e-4) == fresh
+
+
+def test_checked_epsilon_is_the_library_value_from_scratch_or_above(monkeypatch):
+    acc = accounting.Accountant()
+    acc.step(1.1, 0.02, steps=300)
+    fast = acc.epsilon(1e-5)
+    library = dp_accounting.pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
+    )
+    library.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(0.02, dp_accounting.GaussianDpEvent(1.1)), 300
+        )
+    )
+    assert acc.checked_epsilon(1e-5) == fast >= library.get_epsilon(1e-5)
+    # a fast path that under-counted is caught: the library's larger value, with a warning
+    monkeypatch.setattr(acc, "epsilon", lambda delta: fast * 0.9)
+    with pytest.warns(RuntimeWarning, match="above the fast composition"):
+        assert acc.checked_epsilon(1e-5) == pytest.approx(library.get_epsilon(1e-5), rel=1e-9)
