@@ -182,11 +182,14 @@ def test_epsilon_is_dp_sgd_for_the_participations(bands, steps):
         value_discretization_interval=1e-4,
     )
     expected = independent.compose(event).get_epsilon(delta)
-    assert accounting.epsilon(sigma, q, steps, delta, bands=bands) == expected
+    got = accounting.epsilon(sigma, q, steps, delta, bands=bands)
+    # dpfunc's PLD is the library's rounded up by at most 1e-6 relative (never below)
+    assert expected <= got <= expected * (1 + 1e-6)
+    assert got == accounting.epsilon(sigma, q, math.ceil(steps / bands), delta)
     tracker = accounting.Accountant(bands=bands)
     for _ in range(steps):
         tracker.step(sigma, q)
-    assert tracker.steps == steps and tracker.epsilon(delta) == expected
+    assert tracker.steps == steps and tracker.epsilon(delta) == got
 
 
 def test_banded_accountant_counts_a_participation_at_the_first_step_of_each_round():
