@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from . import optim
-from .checks import check_choice, check_int
+from .checks import check_choice, check_devices, check_int
 from .clipping import (
     ClippingPolicy,
     ClipState,
@@ -413,6 +413,7 @@ class TrainStep:
                 f"mask must have shape ({size},) to match the batch, got {tuple(mask.shape)}"
             )
         mask = mask.to(torch.bool)
+        check_devices(params, batch)  # before the mask is read on the batch's device
         if skip_padding and size and not torch.compiler.is_compiling() and not bool(mask.all()):
             return self._clip_real_rows(params, batch, mask, clip)
         return self._clip_rows(params, batch, mask, clip, size)

@@ -264,13 +264,17 @@ def test_one_band_is_the_dp_sgd_step_bit_for_bit():
     x, y = classification_data(16, dtype=torch.float32)
     kwargs = dict(clip_norm=0.7, noise_multiplier=1.1, expected_batch_size=12.0)
     banded = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.2), bands=1, **kwargs)
-    state = banded.init(params)
+    dp_sgd = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.2), **kwargs)
+    state, plain = banded.init(params), dp_sgd.init(params)
     assert state.noise_history == {}
     reference = params
     for t in range(3):
         noise = dpfunc.standard_normal_like(params, seed=11, step=t)
         mask = (torch.arange(16) % (t + 2) != 0).float()
         state, _ = banded(state, (x, y), mask, noise)
+        plain, _ = dp_sgd(plain, (x, y), mask, noise)
+        for k in params:  # the DP-SGD step, bit for bit
+            assert torch.equal(state.params[k], plain.params[k]), k
         # DP-SGD from the pure pieces, with the same secret and the step's rounding margin;
         # the step sums in float64 and rounds to the parameters' dtype after the noise
         grads = dpfunc.per_sample_grads(loss_fn, reference, (x, y))
@@ -279,8 +283,8 @@ def test_one_band_is_the_dp_sgd_step_bit_for_bit():
         summed = {k: v.double() for k, v in dpfunc.clipped_sum(grads, factors, mask).items()}
         update = dpfunc.average(dpfunc.add_noise(summed, noise, 1.1 * 0.7), 12.0)
         reference = {k: reference[k] - 0.2 * update[k].float() for k in reference}
-        for k in params:
-            assert torch.equal(state.params[k], reference[k]), k
+        for k in params:  # the eager step leaves padding rows out: the same sum, other rounding
+            torch.testing.assert_close(state.params[k], reference[k], rtol=1e-6, atol=1e-7)
 
 
 def test_ghost_and_micro_batches_give_the_same_banded_step():
