@@ -31,6 +31,7 @@ Run (about 2 minutes on 2 CPU cores; needs ``opacus``, the ``bench`` extra):
     python examples/opacus_port.py                 # 3 runs of each, the table
     python examples/opacus_port.py --smoke         # 1 run of each, 1 epoch
     python examples/opacus_port.py --run dpfunc    # one run, its JSON record
+    python examples/opacus_port.py --device cuda   # on a GPU (data moved there once)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ MAX_GRAD_NORM = 1.0  # per-example clip norm C
 EPSILON = 3.0  # target epsilon ...
 DELTA = 1e-5  # ... at this delta
 SEED = 0  # public: model initialisation and the test split
+DEVICE = "cpu"  # where the model trains ("cuda" with a GPU: --device cuda)
 
 
 class SampleConvNet(nn.Module):
@@ -93,7 +95,7 @@ def accuracy(model, x, y) -> float:
         return (model(x).argmax(1) == y).float().mean().item()
 
 
-def train_opacus(epochs: int) -> dict:
+def train_opacus(epochs: int, device: str = DEVICE) -> dict:
     """The Opacus script."""
     from opacus import PrivacyEngine
     from torch.utils.data import DataLoader, TensorDataset
@@ -101,7 +103,7 @@ def train_opacus(epochs: int) -> dict:
     train_x, train_y, test_x, test_y = digits()
     torch.manual_seed(SEED)
     train_loader = DataLoader(TensorDataset(train_x, train_y), batch_size=BATCH_SIZE)
-    model = SampleConvNet()
+    model = SampleConvNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0)
     criterion = nn.CrossEntropyLoss()
     setup = time.perf_counter()
@@ -119,6 +121,7 @@ def train_opacus(epochs: int) -> dict:
     epsilon_s = 0.0
     for _ in range(epochs):
         for x, y in train_loader:
+            x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
             output = model(x)
             loss = criterion(output, y)
@@ -127,11 +130,11 @@ def train_opacus(epochs: int) -> dict:
         before = time.perf_counter()
         epsilon = privacy_engine.get_epsilon(DELTA)
         epsilon_s += time.perf_counter() - before
-    return _record(model, test_x, test_y, epsilon, optimizer.noise_multiplier,
+    return _record(model, test_x.to(device), test_y.to(device), epsilon, optimizer.noise_multiplier,
                    setup, calibrated, epsilon_s)  # fmt: skip
 
 
-def train_dpfunc(epochs: int) -> dict:
+def train_dpfunc(epochs: int, device: str = DEVICE) -> dict:
     """The same script in dpfunc; each comment names the Opacus line it replaces."""
     from torch.func import functional_call
 
@@ -139,8 +142,9 @@ def train_dpfunc(epochs: int) -> dict:
 
     train_x, train_y, test_x, test_y = digits()
     torch.manual_seed(SEED)
-    dataset = (train_x, train_y)  # train_loader = DataLoader(...): dpfunc samples itself
-    model = SampleConvNet()
+    # train_loader = DataLoader(...): dpfunc samples itself, gathering rows where they live
+    dataset = (train_x.to(device), train_y.to(device))
+    model = SampleConvNet().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0)
 
     def loss_fn(params, example):  # criterion = nn.CrossEntropyLoss(), for ONE example
@@ -168,11 +172,13 @@ def train_dpfunc(epochs: int) -> dict:
         before = time.perf_counter()
         epsilon = private.epsilon(DELTA)  # privacy_engine.get_epsilon(DELTA)
         epsilon_s += time.perf_counter() - before
-    return _record(model, test_x, test_y, epsilon, private.noise_multiplier,
+    return _record(model, test_x.to(device), test_y.to(device), epsilon, private.noise_multiplier,
                    setup, calibrated, epsilon_s)  # fmt: skip
 
 
 def _record(model, test_x, test_y, epsilon, sigma, setup, calibrated, epsilon_s) -> dict:
+    if test_x.is_cuda:
+        torch.cuda.synchronize()
     done = time.perf_counter()
     return {
         "accuracy": accuracy(model, test_x, test_y),
@@ -186,12 +192,13 @@ def _record(model, test_x, test_y, epsilon, sigma, setup, calibrated, epsilon_s)
     }
 
 
-def compare(repeats: int, epochs: int) -> list[dict]:
+def compare(repeats: int, epochs: int, device: str) -> list[dict]:
     """Each library's script ``repeats`` times as a fresh process, alternating."""
     runs = {"opacus": [], "dpfunc": []}
     for _ in range(repeats):
         for library in runs:
-            command = [sys.executable, __file__, "--run", library, "--epochs", str(epochs)]
+            command = [sys.executable, __file__, "--run", library, "--epochs", str(epochs),
+                       "--device", device]  # fmt: skip
             done = subprocess.run(command, capture_output=True, text=True, check=True)
             runs[library].append(json.loads(done.stdout.strip().splitlines()[-1]))
     rows = []
@@ -207,16 +214,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", choices=("opacus", "dpfunc"), help="one run, as JSON")
     parser.add_argument("--epochs", type=int, default=EPOCHS)
+    parser.add_argument("--device", default=DEVICE, help="cpu or cuda")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="1 run each, 1 epoch")
     parser.add_argument("--out", default="results", help="where opacus_port.json goes")
     args = parser.parse_args()
     if args.run:
         train = train_opacus if args.run == "opacus" else train_dpfunc
-        print(json.dumps(train(args.epochs)))
+        print(json.dumps(train(args.epochs, args.device)))
         return
     repeats, epochs = (1, 1) if args.smoke else (args.repeats, args.epochs)
-    rows = compare(repeats, epochs)
+    rows = compare(repeats, epochs, args.device)
     print(f"| library | epsilon | sigma | test accuracy | seconds (median of {repeats}) | "
           "imports+data | calibration | training | epsilon each epoch |")  # fmt: skip
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -228,7 +236,8 @@ def main() -> None:
         )
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "opacus_port.json"), "w") as f:
-        json.dump({"epochs": epochs, "repeats": repeats, "rows": rows}, f, indent=1)
+        json.dump({"epochs": epochs, "repeats": repeats, "device": args.device, "rows": rows}, f,
+                  indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":
