@@ -90,3 +90,27 @@ def test_a_compiled_trace_keeps_the_padded_shape(monkeypatch):
     mask = torch.tensor([1] * 7 + [0] * 5, dtype=torch.bool)
     step.accumulate(step.zeros(params), params, batch, mask)
     assert seen == [(B, B)]
+
+
+@pytest.mark.parametrize("real", [[1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+def test_tied_embeddings_on_the_ghost_path_skip_padding_too(tied_language_model, real):
+    # tied weights are summed over their sites (a Gram form): its size is the real rows'
+    model = tied_language_model.double()
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, tokens):
+        out = functional_call(model, (p, buffers), (tokens[None],))
+        return out.sum() + 0.5 * out.pow(2).sum()
+
+    tokens = torch.tensor([[1, 1, 2], [0, 3, 3], [6, 6, 6], [4, 0, 5], [0, 0, 0], [2, 5, 2]])
+    mask = torch.tensor(real, dtype=torch.bool)
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=1.0), clip_norm=0.7, noise_multiplier=0.0,
+        expected_batch_size=6, model=model, method="ghost",
+    )  # fmt: skip
+    assert step.explain(params, tokens) == {"embed.weight": "ghost"}
+    want, _ = step.clip(params, tokens, mask)
+    got, stats = step.accumulate(step.zeros(params), params, tokens, mask)
+    torch.testing.assert_close(got["embed.weight"], want["embed.weight"].double())
+    assert stats.norm.shape == (6,) and bool((stats.norm[~mask] == 0).all())
+    remove_hooks(model)

@@ -191,7 +191,8 @@ def _sites_norms(sites: Sites, batch: int | None = None) -> Tensor:
     """The Gram form of :func:`linear_weight_norms` over every pair of sites, with its bounds."""
     forms = sites.forms
     dtype = forms[0].right.dtype
-    b = forms[0].right.shape[0] if batch is None else batch
+    b = forms[0].right.shape[0]  # the examples here (the real rows, when padding is left out)
+    rows = b if batch is None else batch  # the rows the sum's rounding bound counts
     t = sum(f.right.shape[1] for f in forms)
     p = max(f.left.shape[-1] for f in forms if not _is_index(f.left))
     gram = torch.zeros(b, dtype=F64, device=forms[0].right.device)
@@ -208,7 +209,7 @@ def _sites_norms(sites: Sites, batch: int | None = None) -> Tensor:
     error = 3 * gamma(max(p, q) + 1, dtype) + 2 * gamma(t * t, F64)
     norm = (gram.clamp(min=0) + error * s.square()).sqrt()
     # the sum: every position of the batch, one addition per site, the clip factor
-    return (norm + gamma(b * t + len(forms) + 2, dtype) * s).square()
+    return (norm + gamma(rows * t + len(forms) + 2, dtype) * s).square()
 
 
 def form_norms(form: Outer | Sites | Tensor, batch: int | None = None) -> Tensor:
