@@ -167,7 +167,9 @@ def from_state_dict(
     try:
         _check_seed(trainer, where, checkpoint)
         _check_settings(trainer, where, checkpoint["config"])
-        return _state(trainer, where, checkpoint, parts)
+        state = _state(trainer, where, checkpoint, parts)
+        _check_not_behind(trainer, where, state[1].steps)
+        return state
     except ValueError:
         raise
     except Exception as error:  # missing keys, wrong types: a malformed checkpoint
@@ -287,6 +289,23 @@ def _check_seed(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> None:
             "secret: a run resumed from it is not private, whoever knows the seed can remove "
             "its noise. To continue it as the reproducible run it is, build the trainer with "
             "that seed; for a private run, start anew with seed=None."
+        )
+
+
+def _check_not_behind(trainer: Any, where: str | os.PathLike, saved_steps: int) -> None:
+    """Refuses a checkpoint behind the steps this trainer has already released.
+
+    Loading it would release those steps again, with the same noise (keyed by
+    the seed and the step), and account them once: if the second release
+    differs from the first at all, the difference holds no noise.
+    """
+    done = trainer.steps_done
+    if saved_steps < done:
+        raise ValueError(
+            f"checkpoint {os.fspath(where)!r} holds {saved_steps} steps, but this run has already "
+            f"released {done}: loading it would release steps {saved_steps + 1} to {done} again "
+            "with the same noise. A run does not go back; resume a checkpoint in a new Trainer "
+            "or PrivateGradients"
         )
 
 

@@ -159,6 +159,7 @@ class PrivateGradients(PlannedRun):
         self.accountant = plan.config.accountant()
         self.history: list[dict[str, float]] = []  # for checkpoints; PrivateGradients keeps none
         self._noise = NoiseAhead(self.step_fn)
+        self._issued: list[MicroBatch] | None = None  # the batch batches() yielded last
 
     def batches(self, steps: int | None = None) -> Iterator[LogicalBatch]:
         """Yields the next logical batches, from step :attr:`steps_done` on.
@@ -189,6 +190,7 @@ class PrivateGradients(PlannedRun):
                     "done: call backward(batch) on each batch before taking the next"
                 )
             micro_batches, size = self.plan.batches.logical_batch(t)
+            self._issued = micro_batches  # backward takes this batch, and no other
             yield LogicalBatch(t, micro_batches, size)
             t += 1
 
@@ -208,9 +210,10 @@ class PrivateGradients(PlannedRun):
         quantiles). They read the data without noise: NOT private.
 
         Raises:
-            TypeError: ``batch`` is not from :meth:`batches`.
-            ValueError: ``batch`` is not the next step's (a batch released
-                twice would release its noise twice), or the model's
+            TypeError: ``batch`` is not a :class:`LogicalBatch`.
+            ValueError: ``batch`` is not the one :meth:`batches` yielded for
+                the next step (a batch released twice would release its
+                noise twice; a batch of one's own is not a Poisson sample), or the model's
                 trainable parameters changed (see the module docstring).
             RuntimeError: the plan or the ``epsilon_budget`` is used up.
             FloatingPointError: non-finite examples (``nonfinite``); nothing
@@ -226,6 +229,11 @@ class PrivateGradients(PlannedRun):
             raise ValueError(
                 f"batch is step {batch.step}'s, but the next step is {t}: each logical batch is "
                 "released once, in order (take batches from batches())"
+            )
+        if batch.micro_batches is not self._issued:
+            raise ValueError(
+                f"batch is not the one batches() yielded for step {t}: only the Poisson sample "
+                "of the step, keyed by the secret seed, is accounted as such"
             )
         self.plan.check_next_step(t)
         params = self._live_params()

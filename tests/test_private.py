@@ -191,6 +191,21 @@ def test_metrics_epsilon_at_any_delta_and_the_batch_order():
     assert "seed" not in repr(private)
 
 
+def test_a_rewind_or_a_batch_of_ones_own_is_refused():
+    model = mlp()
+    private = private_for(model)
+    batches = private.batches()
+    private.backward(next(batches))
+    saved = private.state_dict()
+    batch = next(batches)
+    with pytest.raises(ValueError, match="not the one batches"):  # relabelled data of one's own
+        private.backward(dpfunc.LogicalBatch(batch.step, list(batch.micro_batches), batch.size))
+    private.backward(batch)
+    with pytest.raises(ValueError, match="does not go back"):  # step 1 again, same noise
+        private.load_state_dict(saved)
+    assert private.steps_done == 2
+
+
 def test_the_plan_and_the_budget_end_the_batches():
     model = mlp()
     private = private_for(model)

@@ -136,6 +136,22 @@ def test_other_privacy_settings_are_refused_with_every_difference(tmp_path, buil
         ).load(path)  # fmt: skip
 
 
+def test_a_run_does_not_go_back_to_an_earlier_checkpoint(tmp_path, build):
+    # loading step 2's checkpoint into a run at step 3 would release step 3 again, with the
+    # same noise; a fresh trainer resumes it
+    path = tmp_path / "run.pt"
+    trainer = build(seed=5)
+    trainer.fit(max_steps=2)
+    trainer.save(path)
+    trainer.fit(max_steps=1)
+    with pytest.raises(ValueError, match="does not go back"):
+        trainer.load(path)
+    assert trainer.steps_done == 3
+    fresh = build(seed=5)
+    fresh.load(path)
+    assert fresh.steps_done == 2
+
+
 def test_an_existing_checkpoint_path_is_resumed_not_overwritten(tmp_path, build):
     path = tmp_path / "run.pt"
     first = build(bands=4, checkpoint_path=path)
