@@ -76,10 +76,18 @@ another 1e-15 per run for what the library's own truncation and FFT
 wrap-around can add at the top. Otherwise the arithmetic differs from the
 library's only in floating-point rounding (FFT sizes, summation order: about
 1e-9 relative, measured); the PLD epsilon is rounded up by 1e-7 relative to
-cover it. So it is never below the library's, and within 1e-6 of it for
-``delta >= 1e-8``; at smaller deltas the 1e-15 allowances weigh more (e.g.
-+6e-4 relative at ``delta = 1e-12``, ``sigma = 0.9``, ``q = 0.02``, 800
-steps). ``tests/test_accounting.py`` compares the two over a grid. RDP is
+cover it. The FFT's own rounding spreads about 1e-11 of the mass over the
+bins, of either sign: the bins it makes negative are set to 0 and twice their
+mass is counted as infinite loss, and where ``delta`` is within 1000 times
+that mass (tiny deltas, long runs at small rates: ``delta = 1e-8`` after 10^4
+steps at ``q = 1e-4``), the library's accountant computes the epsilon
+instead, at its cost. So it is never below the library's, and within 1e-6 of
+it for ``delta >= 1e-8`` at the rates and lengths measured; at smaller deltas
+the allowances weigh more (e.g. +6e-4 relative at ``delta = 1e-12``,
+``sigma = 0.9``, ``q = 0.02``, 800 steps). ``tests/test_accounting.py``
+compares the two over a grid, including long runs at small rates and deltas,
+and a report's epsilon is checked against the library from scratch
+(:meth:`Accountant.checked_epsilon`). RDP is
 the library's arithmetic exactly: one step's RDP per ``(noise_multiplier,
 sample_rate)`` is cached (256 of them) and multiplied by the step counts.
 Results of whole histories are cached too (256, keyed by the runs and
@@ -207,6 +215,8 @@ _COARSE_VALUE_DISCRETIZATION_INTERVAL = 1e-3
 # floating-point differences (about 1e-9 relative in the tests) between this
 # module's arithmetic and the library's, so it is never below the library's.
 _PLD_ROUND_UP = 1e-7
+# The fast composition decides only where delta exceeds its FFT rounding mass this many times.
+_ROUNDING_MARGIN = 1e3
 # The library's tolerance for divergences that grow along the grid (rounding).
 _DELTA_DIFF_TOLERANCE = 1e-12
 # Chernoff orders, times -1 / support size, beyond the library's 1..20: they narrow
@@ -434,8 +444,12 @@ def _fft_size(need: int) -> int:
     return scipy.fft.next_fast_len(max(need, math.ceil(_FFT_LADDER**rung)), real=True)
 
 
-def _composed_side(parts: list[tuple[_StepLoss, int]]) -> tuple[int, np.ndarray, float]:
-    """``(lower, probs, inf_mass)`` of the composition of ``count`` copies of each part.
+def _composed_side(parts: list[tuple[_StepLoss, int]]) -> tuple[int, np.ndarray, float, float]:
+    """``(lower, probs, inf_mass, rounding)`` of the composition of ``count`` copies of each part.
+
+    ``rounding`` is the part of ``inf_mass`` that stands for the FFT's
+    rounding error (twice the mass of the bins it made negative, which are
+    set to 0).
 
     The convolution runs in one FFT: the product of the parts' spectra, each
     raised to its count. Each part's Chernoff window (:meth:`_StepLoss.window`)
@@ -459,9 +473,14 @@ def _composed_side(parts: list[tuple[_StepLoss, int]]) -> tuple[int, np.ndarray,
     spectrum = np.zeros(size // 2 + 1, dtype=np.complex128)
     spectrum[keep] = np.exp(sum(count * np.log(full[keep]) for count, full, _ in spectra))
     probs = np.roll(scipy.fft.irfft(spectrum, size), -start)[:length]
+    # The FFT's rounding spreads an error of about 1e-11 of the mass over the bins, of either
+    # sign; the negative bins show its size. Clipped to 0, twice their mass is counted as
+    # infinite loss, which bounds what the rounding can move across any epsilon.
+    rounding = 2.0 * float(-probs[probs < 0].sum())
+    probs = np.maximum(probs, 0.0)
     lower = sum(step.lower * count for step, count in parts) + start
     log_keep = sum(count * math.log1p(-step.inf_mass) for step, count in parts)
-    return lower, probs, 2 * _TAIL_MASS * len(parts) - math.expm1(log_keep)
+    return lower, probs, 2 * _TAIL_MASS * len(parts) - math.expm1(log_keep) + rounding, rounding
 
 
 def _pmf_epsilon(lower: int, probs: np.ndarray, inf_mass: float, interval: float, delta: float):
@@ -524,7 +543,11 @@ def _pld_epsilon(runs: Runs, delta: float, interval: float, above: float = math.
     symmetric = all(rate == 1.0 for _, rate, _ in runs)
     eps = 0.0
     for side in (0,) if symmetric else (0, 1):
-        composed = _composed_side([(pair[side], steps) for pair, steps in losses])
+        *composed, rounding = _composed_side([(pair[side], steps) for pair, steps in losses])
+        if rounding * _ROUNDING_MARGIN > delta:
+            # delta is within reach of the FFT's rounding (tiny deltas, long runs at small
+            # rates): the library's own accountant decides, at its cost
+            return _library_epsilon(runs, delta, "pld", interval)
         eps = max(eps, _pmf_epsilon(*composed, interval, delta) * (1 + _PLD_ROUND_UP))
         if eps > above:
             break

@@ -528,3 +528,36 @@ def test_checked_epsilon_is_the_library_value_from_scratch_or_above(monkeypatch)
     monkeypatch.setattr(acc, "epsilon", lambda delta: fast * 0.9)
     with pytest.warns(RuntimeWarning, match="above the fast composition"):
         assert acc.checked_epsilon(1e-5) == pytest.approx(library.get_epsilon(1e-5), rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    "sigma, rate, steps, delta",
+    [(0.7, 1e-4, 9821, 1e-8), (0.4, 1e-4, 28994, 1e-7), (0.5, 1e-3, 701, 1e-12)],
+)
+def test_long_runs_at_small_rates_and_deltas_stay_at_or_above_the_library(
+    sigma, rate, steps, delta
+):
+    # where delta nears the FFT's rounding of the composed distribution, the fast path
+    # counts that rounding as infinite loss, or leaves the decision to the library
+    library = dp_accounting.pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
+    )
+    library.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(sigma)), steps
+        )
+    )
+    assert epsilon(sigma, rate, steps, delta) >= library.get_epsilon(delta)
+
+
+def test_a_calibration_at_a_tiny_delta_meets_the_target_by_the_library_too():
+    sigma = calibrate_noise_multiplier(0.5, 1e-12, 0.001, 2000)
+    library = dp_accounting.pld.PLDAccountant(
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=1e-4
+    )
+    library.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(0.001, dp_accounting.GaussianDpEvent(sigma)), 2000
+        )
+    )
+    assert library.get_epsilon(1e-12) <= 0.5
