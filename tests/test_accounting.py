@@ -561,3 +561,11 @@ def test_a_calibration_at_a_tiny_delta_meets_the_target_by_the_library_too():
         )
     )
     assert library.get_epsilon(1e-12) <= 0.5
+
+
+def test_a_tiny_delta_is_the_librarys_for_a_whole_history():
+    runs = [(1.0, 1.0, 17), (5.0, 0.5, 10), (5.0, 0.5, 63)]
+    acc = Accountant()
+    for run in runs:
+        acc.step(*run[:2], steps=run[2])
+    assert acc.epsilon(1e-12) >= library_accountant(runs, "pld").get_epsilon(1e-12)
