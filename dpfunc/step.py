@@ -60,6 +60,7 @@ from .clipping import (
     rounding_scope,
     unclipped_count,
 )
+from .compiling import compile_fullgraph
 from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPING_MODES: kept importable here)
 from .ghost import GhostClipper, ghost_clip
 from .noise import NoiseState, add_noise, average, standard_normal_like
@@ -324,14 +325,17 @@ class TrainStep:
     def compile(self) -> TrainStep:
         """Compiles the local pieces; returns ``self``.
 
-        :meth:`logical_step` and :meth:`apply` then run ``accumulate`` and
-        ``apply_reduced`` through ``torch.compile(fullgraph=True)``; the
+        :meth:`logical_step`, :meth:`logical_gradient` and :meth:`apply` then
+        run ``accumulate``, ``apply_reduced`` and ``private_gradient``
+        through ``torch.compile(fullgraph=True)``, with Dynamo's RNN support
+        on and logging calls in traced code left out, in a scope that ends
+        with each call (:func:`dpfunc.compiling.compile_fullgraph`); the
         collectives between them run eagerly. The results are the same as
         eager ones.
         """
-        self._accumulate = torch.compile(self.accumulate, fullgraph=True)
-        self._apply_reduced = torch.compile(self.apply_reduced, fullgraph=True)
-        self._private_gradient = torch.compile(self.private_gradient, fullgraph=True)
+        self._accumulate = compile_fullgraph(self.accumulate)
+        self._apply_reduced = compile_fullgraph(self.apply_reduced)
+        self._private_gradient = compile_fullgraph(self.private_gradient)
         return self
 
     def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
