@@ -52,6 +52,7 @@ keep the last row of each ``steps``.
 
 from __future__ import annotations
 
+import abc
 import csv
 import json
 import math
@@ -448,7 +449,7 @@ def _refuse_another_run(trainer: Any, path: str, mine: bool, exists: bool) -> No
         )
 
 
-class _FileLogger:
+class _FileLogger(abc.ABC):
     """One row per step or per history record, appended to a file on rank 0 (see the module)."""
 
     KINDS = ("epoch", "step")
@@ -470,8 +471,8 @@ class _FileLogger:
         self._run = id(trainer)
         self._opened(exists)
 
-    def _opened(self, existed: bool) -> None:
-        pass
+    def _opened(self, existed: bool) -> None:  # noqa: B027 (optional: a header, say)
+        """Called once the file is open; ``existed``: it held rows of this run before."""
 
     def on_epoch_end(self, trainer: Any, metrics: dict[str, float]) -> None:
         if self._file is not None and self.records in ("epoch", "both"):
@@ -481,8 +482,9 @@ class _FileLogger:
         if self._file is not None and self.records in ("step", "both"):
             self._write("step", {"steps": trainer.steps_done, **metrics})
 
+    @abc.abstractmethod
     def _write(self, kind: str, row: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Writes one row (``kind``: ``"epoch"`` or ``"step"``) and flushes it."""
 
     def on_fit_end(self, trainer: Any, history: list[dict[str, float]]) -> None:
         self.close()

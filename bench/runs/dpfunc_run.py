@@ -45,15 +45,7 @@ def main(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     s = SETTINGS[args.workload]
-    if args.workload == "digits":
-        train_set, test_set = workloads.digits_data()
-        torch.manual_seed(args.init_seed)
-        net = workloads.digits_cnn()
-    else:
-        train_set, test_set = workloads.mnist_data(args.data, args.examples)
-        torch.manual_seed(args.init_seed)
-        net = workloads.SampleConvNet()
-    epochs = args.epochs or s["epochs"]
+    train_set, test_set, net, epochs = workloads.problem(s, args)
     params, buffers = dpfunc.functionalize(net)
 
     def loss_fn(params, example):

@@ -47,15 +47,7 @@ def main(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     s = SETTINGS[args.workload]
-    if args.workload == "digits":
-        train_set, test_set = workloads.digits_data()
-        torch.manual_seed(args.init_seed)
-        model = workloads.digits_cnn()
-    else:
-        train_set, test_set = workloads.mnist_data(args.data, args.examples)
-        torch.manual_seed(args.init_seed)
-        model = workloads.SampleConvNet()
-    epochs = args.epochs or s["epochs"]
+    train_set, test_set, model, epochs = workloads.problem(s, args)
     optimizer = torch.optim.SGD(model.parameters(), lr=s["lr"], momentum=s["momentum"])
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(*train_set), batch_size=s["batch"]

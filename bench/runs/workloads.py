@@ -102,3 +102,16 @@ def accuracy(model: nn.Module, data) -> float:
     model.eval()
     x, y = data
     return float((model(x).argmax(1) == y).float().mean())
+
+
+def problem(settings: dict, args) -> tuple:
+    """``(train_set, test_set, model, epochs)`` of a run's workload, the model seeded."""
+    if args.workload == "digits":
+        train_set, test_set = digits_data()
+        torch.manual_seed(args.init_seed)
+        model = digits_cnn()
+    else:
+        train_set, test_set = mnist_data(args.data, args.examples)
+        torch.manual_seed(args.init_seed)
+        model = SampleConvNet()
+    return train_set, test_set, model, args.epochs or settings["epochs"]
