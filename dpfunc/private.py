@@ -149,13 +149,11 @@ class PrivateGradients(PlannedRun):
             self.step_fn.compile()
         self.nonfinite = nonfinite
         self._warned_nonfinite = False
-        params = self._live_params()
-        if plan.distributed:  # every rank starts from rank 0's parameters
-            start = self.step_fn.init(params).params
+        self.state: TrainState = self.step_fn.init(self._live_params())  # distributed: rank 0's
+        if plan.distributed:  # every rank's model starts from rank 0's parameters
             with torch.no_grad():
                 for name, p in self._trainable:
-                    p.copy_(start[name])
-        self.state: TrainState = self.step_fn.init(params)
+                    p.copy_(self.state.params[name])
         self.accountant = plan.config.accountant()
         self.history: list[dict[str, float]] = []  # for checkpoints; PrivateGradients keeps none
         self._noise = NoiseAhead(self.step_fn)
