@@ -8,7 +8,7 @@ EXTRAS := test,bench,examples,secure,hf
 WHEEL_VENV ?= build/wheel-venv
 WHEEL_TESTS ?= build/wheel-tests
 
-.PHONY: install test test-wheel lint bench demo clean
+.PHONY: install test test-wheel test-heavy lint bench demo clean
 
 install: $(STAMP)
 
@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml requirements-dev.txt
 
 test: install
 	$(PY) -m pytest dpfunc tests -q
+
+# Compiled Hugging Face steps against eager: minutes of compiling, left out of `test`.
+test-heavy: install
+	$(PY) -m pytest tests -q -m heavy
 
 # The wheel as users get it: built, installed (not editable) into a new venv, and
 # tested from a copy of tests/, examples/ and the docs that holds no dpfunc/ source.

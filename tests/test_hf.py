@@ -2,7 +2,8 @@
 
 Per-example gradients with padding masks equal a batch-size-1 autograd loop
 in float64, for an encoder classifier, two decoder language models (padding
-labelled -100) and a LoRA adapter.
+labelled -100) and a LoRA adapter. The compiled step equals the eager one for
+each (marked heavy: minutes of compiling, run by ``make test-heavy``).
 """
 
 import math
@@ -162,3 +163,31 @@ def test_every_parameter_is_ghosted_and_equals_vmap(build, forward):
     for name in params:
         torch.testing.assert_close(got[name], want[name], rtol=1e-8, atol=1e-12, msg=name)
     assert vmap_step.explain(params, batch)[next(iter(params))] == "vmap: method='vmap'"
+
+
+@pytest.mark.heavy  # each compile takes a minute or more here: make test-heavy
+@pytest.mark.parametrize("build, forward", CASES, ids=IDS)
+def test_compiled_step_equals_eager(build, forward):
+    torch.manual_seed(0)
+    model = build().eval()  # no dropout: both steps see the same function
+    params, _ = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        return forward(lambda **kw: functional_call(model, p, (), kw), example)
+
+    batch = padded_batch()
+    results = []
+    for compile in (False, True):
+        step = dpfunc.make_train_step(
+            loss_fn, dpfunc.optim.sgd(lr=0.5), clip_norm=0.1, noise_multiplier=1.0,
+            expected_batch_size=4.0, model=model,
+        )  # fmt: skip
+        if compile:
+            step.compile()
+        state = step.init(params)
+        for t in range(2):
+            noise = step.draw_noise(state.params, seed=7, step=t)
+            state, _ = step.logical_step(state, [(batch, torch.ones(4))], noise)
+        results.append(state.params)
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1][name], value, rtol=1e-4, atol=1e-5)
