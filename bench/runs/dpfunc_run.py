@@ -16,7 +16,6 @@ import time
 
 START = time.perf_counter()  # before the imports: they are part of the run
 
-import argparse  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -102,11 +101,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", choices=sorted(SETTINGS), default="digits")
-    parser.add_argument("--data", help="mnist: a torch.save of train_x/train_y/test_x/test_y")
-    parser.add_argument("--examples", type=int, default=6000, help="mnist: training images")
-    parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--init-seed", type=int, default=0, help="the model's initialisation")
-    main(parser.parse_args())
+    main(workloads.arguments(__doc__.splitlines()[0], sorted(SETTINGS)))

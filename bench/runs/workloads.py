@@ -17,6 +17,7 @@ report is one JSON object on stdout.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -115,3 +116,15 @@ def problem(settings: dict, args) -> tuple:
         torch.manual_seed(args.init_seed)
         model = SampleConvNet()
     return train_set, test_set, model, args.epochs or settings["epochs"]
+
+
+def arguments(description: str, workloads: list[str]) -> argparse.Namespace:
+    """The command line both run scripts take."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workload", choices=workloads, default="digits")
+    parser.add_argument("--data", help="mnist: a torch.save of train_x/train_y/test_x/test_y")
+    parser.add_argument("--examples", type=int, default=6000, help="mnist: training images")
+    parser.add_argument("--epochs", type=int, default=None, help="default: the workload's")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--init-seed", type=int, default=0, help="the model's initialisation")
+    return parser.parse_args()
