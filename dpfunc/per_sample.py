@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 from torch.nn.utils.rnn import PackedSequence
 
+from .batched_attention import batched_attention
 from .checks import check_devices, check_int
 from .tree import Params, PyTree, tree_leaves
 
@@ -142,7 +143,9 @@ def vmap_over_examples(fn: Callable, *, in_dims: tuple, chunk_size: int | None) 
     """``vmap(fn)`` over the examples, as every dpfunc path runs the user's loss.
 
     Random operations draw independently per example (``randomness=
-    "different"``). While it runs eagerly, Hugging Face transformers' tracing
+    "different"``). Compiled, attention calls run torch's math kernel where it
+    is small (:func:`dpfunc.batched_attention.batched_attention`): vmap has no
+    batching rule for the fused kernels. While it runs eagerly, Hugging Face transformers' tracing
     guard answers yes (see the module docstring), so its models take their
     trace-safe path with padding masks, and :func:`explain_loss_errors`
     names the cause and the fix of vmap's errors for code that reads one
@@ -151,8 +154,17 @@ def vmap_over_examples(fn: Callable, *, in_dims: tuple, chunk_size: int | None) 
     mapped = vmap(fn, in_dims=in_dims, chunk_size=chunk_size, randomness="different")
 
     def run(*args):
+        mapped_rows = [
+            x.shape[0]
+            for arg, dim in zip(args, in_dims)
+            if dim is not None
+            for x in tree_leaves(arg)
+            if isinstance(x, Tensor)
+        ]
+        rows = min(mapped_rows[0], chunk_size or mapped_rows[0]) if mapped_rows else 1
         if torch.compiler.is_compiling():  # dynamo traces the loss: libraries see that
-            return mapped(*args)
+            with batched_attention(rows):
+                return mapped(*args)
         with _libraries_see_tracing(), explain_loss_errors():
             return mapped(*args)
 

@@ -491,6 +491,29 @@ def test_nonfinite_and_padding_rows_contribute_exactly_zero():
     assert not torch.isfinite(stats.norm[[1, 3]]).any()
 
 
+def test_finite_batch_sums_without_masking_and_padding_adds_exactly_zero(monkeypatch):
+    # eagerly on a CPU a batch whose norms are all finite skips the NaN-safe masking of the
+    # forms; a padding row (finite, weight 0) must still add exactly nothing
+    from dpfunc.ghost import bounds
+
+    def refuse(*args):
+        raise AssertionError("the NaN-safe masking ran on an all-finite batch")
+
+    monkeypatch.setattr(bounds, "keep", refuse)
+    monkeypatch.setattr(bounds, "scaled", refuse)
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 2))
+    params, loss_fn = problem(model)
+    x = torch.randn(B, 4, dtype=torch.float64)
+    x[4] = 1e3  # a padding row with large, finite values
+    mask = torch.tensor([1, 1, 1, 1, 0, 1.0])
+    _, ghost = steps(model, loss_fn)
+    summed, _ = ghost.clip(params, x, mask)
+    keep = [0, 1, 2, 3, 5]
+    clean, _ = ghost.clip(params, x[keep], torch.ones(5))
+    for k in params:
+        torch.testing.assert_close(summed[k], clean[k], rtol=1e-12, atol=1e-14)
+
+
 def pinn_loss_problem():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 1))

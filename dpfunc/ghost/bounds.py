@@ -89,9 +89,14 @@ def scaled(t: Tensor, w: Tensor) -> Tensor:
     return torch.where(w != 0, t * w.to(t.dtype), t.new_zeros(()))
 
 
-def weighted_sum(g: Tensor, w: Tensor) -> Tensor:
-    """``sum_i w_i g_i`` in :func:`accumulation_dtype` (float32 for half ``g``)."""
-    return scaled(widen(g), w).sum(0)
+def weighted_sum(g: Tensor, w: Tensor, finite: bool = False) -> Tensor:
+    """``sum_i w_i g_i`` in :func:`accumulation_dtype` (float32 for half ``g``).
+
+    ``finite``: the caller knows every row of ``g`` is finite, so a weight-0
+    row adds exactly 0 without the ``where`` that keeps a NaN row out (see
+    :func:`form_sum`)."""
+    g = widen(g)
+    return (g * _expand(w, g).to(g.dtype) if finite else scaled(g, w)).sum(0)
 
 
 def gamma(n: int, dtype: torch.dtype) -> float:
@@ -100,11 +105,33 @@ def gamma(n: int, dtype: torch.dtype) -> float:
     return nu / (1 - nu) if nu < 1 else math.inf
 
 
+def position_norms(t: Tensor) -> Tensor:
+    """Upper bounds on ``|t_..., :|``, the 2-norms over the last dimension, float64.
+
+    Computed in ``t``'s dtype (converting the whole tensor to float64 first
+    costs a copy of it, a third of the ghost norms' time on a transformer),
+    then widened and divided by ``1 - gamma_{d+1}``: the computed sum of ``d``
+    squares is at least ``(1 - gamma_d)`` times the exact one, and the square
+    root rounds once more. A position whose squares overflow (``|t| > 1.8e19``
+    in float32) gets an infinite bound, so its example's norm is infinite and
+    it is treated as non-finite (weight 0), never under-counted.
+    """
+    d = t.shape[-1]
+    return torch.linalg.vector_norm(t, dim=-1).to(F64) / (1 - gamma(d + 1, t.dtype))
+
+
+def pair_sum(x: Tensor) -> Tensor:
+    """``x [N, T, T'] -> [N]`` float64: the sum over the last dimension in ``x``'s dtype,
+    then over the rest in float64 (so that only ``[N, T]``, not ``x``, is converted). The
+    first stage's rounding is at most ``gamma_{T'}`` of ``x``'s dtype times ``sum |x|``,
+    which the callers' error terms add."""
+    return x.sum(-1).to(F64).sum(-1)
+
+
 def _position_norm_sum(a: Tensor, g: Tensor) -> Tensor:
-    """``S_i = sum_t |a_it| |g_it|``, float64 ``[N]``: bounds every rounding error below."""
-    a_norms = torch.linalg.vector_norm(a, dim=-1, dtype=F64)
-    g_norms = torch.linalg.vector_norm(g, dim=-1, dtype=F64)
-    return (a_norms * g_norms).sum(1)
+    """``S_i = sum_t |a_it| |g_it|`` (bounded above), float64 ``[N]``: bounds every rounding
+    error below."""
+    return (position_norms(a) * position_norms(g)).sum(1)
 
 
 def linear_weight_norms(
@@ -120,8 +147,10 @@ def linear_weight_norms(
 
     Every rounding error is at most ``gamma * S_i`` with ``S_i = sum_t |a_it|
     |g_it|``, so the returned norm is the computed one plus those bounds:
-    ``gram`` adds ``(3 gamma_{d+1} + 2 gamma_{T^2}(float64)) S^2`` to the
-    squared norm, ``direct`` adds ``gamma_T S`` to the norm, and every form
+    ``gram`` adds ``(3 gamma_{d+1} + gamma_T + 2 gamma_{T^2}(float64)) S^2``
+    to the squared norm (the products, the sum of each Gram row in the
+    forms' dtype, the rest in float64), ``direct`` adds ``gamma_T S`` to the
+    norm, whose rows are bounded above as :func:`position_norms`, and every form
     adds ``gamma_{summed_over + 2} S`` for the sum over ``summed_over`` rows
     and the clip factor's two roundings (its cast to the gradients' dtype and
     the product by it). Half ``a`` and ``g`` are widened to float32 first, as
@@ -139,13 +168,14 @@ def linear_weight_norms(
     if form == "outer":
         if t != 1:
             raise ValueError(f"form='outer' needs one position per example, got {t}")
-        norm = s  # |a| |g|, from float64 norms: no cancellation, no overflow of |a|^2
+        norm = s  # |a| |g|, bounded above: no cancellation
     elif form == "gram":
-        gram = (torch.bmm(a, a.mT) * torch.bmm(g, g.mT)).sum((1, 2), dtype=F64)
-        error = 3 * gamma(max(d_in, d_out) + 1, dtype) + 2 * gamma(t * t, F64)
+        gram = pair_sum(torch.bmm(a, a.mT) * torch.bmm(g, g.mT))
+        error = 3 * gamma(max(d_in, d_out) + 1, dtype) + gamma(t, dtype) + 2 * gamma(t * t, F64)
         norm = (gram.clamp(min=0) + error * s.square()).sqrt()
     elif form == "direct":
-        norm = torch.linalg.vector_norm(torch.bmm(g.mT, a).flatten(1), dim=1, dtype=F64)
+        rows = position_norms(torch.bmm(g.mT, a))  # [N, d_out], each row bounded above
+        norm = torch.linalg.vector_norm(rows, dim=1) * (1 + gamma(d_out + 1, F64))
         norm = norm + gamma(t, dtype) * s
     else:
         raise ValueError(f"form must be 'outer', 'gram', 'direct' or None, got form={form!r}")
@@ -157,9 +187,9 @@ def _index_norms(idx: Tensor, g: Tensor, summed_over: int) -> Tensor:
     g = widen(g)
     t, dim = g.shape[1], g.shape[2]
     same = idx[:, :, None] == idx[:, None, :]
-    gram = torch.where(same, torch.bmm(g, g.mT), g.new_zeros(())).sum((1, 2), dtype=F64)
-    s = torch.linalg.vector_norm(g, dim=-1, dtype=F64).sum(1)
-    error = 2 * gamma(dim + 1, g.dtype) + 2 * gamma(t * t, F64)
+    gram = pair_sum(torch.where(same, torch.bmm(g, g.mT), g.new_zeros(())))
+    s = position_norms(g).sum(1)
+    error = 2 * gamma(dim + 1, g.dtype) + gamma(t, g.dtype) + 2 * gamma(t * t, F64)
     norm = (gram.clamp(min=0) + error * s.square()).sqrt()
     return (norm + gamma(summed_over + 2, g.dtype) * s).square()  # the index_add, the factor
 
@@ -198,15 +228,15 @@ def _sites_norms(sites: Sites, batch: int | None = None) -> Tensor:
     gram = torch.zeros(b, dtype=F64, device=forms[0].right.device)
     s = torch.zeros_like(gram)
     for j in forms:
-        r_norms = torch.linalg.vector_norm(j.right, dim=-1, dtype=F64)
+        r_norms = position_norms(j.right)
         if not _is_index(j.left):
-            r_norms = r_norms * torch.linalg.vector_norm(j.left, dim=-1, dtype=F64)
+            r_norms = r_norms * position_norms(j.left)
         s = s + r_norms.sum(1)
         for k in forms:
             left = _left_gram(j.left, k.left).to(dtype)
-            gram = gram + (left * torch.bmm(j.right, k.right.mT)).sum((1, 2), dtype=F64)
+            gram = gram + pair_sum(left * torch.bmm(j.right, k.right.mT))
     q = forms[0].right.shape[-1]
-    error = 3 * gamma(max(p, q) + 1, dtype) + 2 * gamma(t * t, F64)
+    error = 3 * gamma(max(p, q) + 1, dtype) + gamma(t, dtype) + 2 * gamma(t * t, F64)
     norm = (gram.clamp(min=0) + error * s.square()).sqrt()
     # the sum: every position of the batch, one addition per site, the clip factor
     return (norm + gamma(rows * t + len(forms) + 2, dtype) * s).square()
@@ -240,28 +270,45 @@ def form_norms(form: Outer | Sites | Tensor, batch: int | None = None) -> Tensor
     return sq.reshape(b, groups).sum(1)
 
 
-def form_sum(form: Outer | Sites | Tensor, w: Tensor, shape: torch.Size) -> Tensor:
+def form_sum(
+    form: Outer | Sites | Tensor, w: Tensor, shape: torch.Size, finite: bool = False
+) -> Tensor:
     """``sum_i w_i grad_i`` shaped like the parameter; weight-0 rows add exactly 0.
 
     Accumulated in :func:`accumulation_dtype`: float32 for half forms.
+
+    ``finite``: the caller has checked that every example's norm is finite,
+    which bounds every entry of its forms, so ``0 * entry`` is exactly 0 and
+    the weight goes into one side of the product only. Otherwise a NaN or
+    infinite row (a padding row, an example dropped for its non-finite norm)
+    is cut out of both sides with ``where`` first: ``0 * NaN`` is NaN. Eagerly
+    on a CPU those three extra passes over the forms cost a fifth of a
+    transformer's ghost step.
     """
     if isinstance(form, Sites):
-        return sum(form_sum(f, w, shape) for f in form.forms)
+        return sum(form_sum(f, w, shape, finite) for f in form.forms)
     form = widen_form(form)
     if not isinstance(form, Outer):
-        return weighted_sum(form, w).reshape(shape)
+        return weighted_sum(form, w, finite).reshape(shape)
     left, right = form
     q = right.shape[-1]
     if _is_index(left):
         zeros = right.new_zeros(shape[0], q)
-        rows = scaled(right, w).reshape(-1, q)
-        return zeros.index_add(0, left.reshape(-1), rows).reshape(shape)
+        rows = right * _expand(w, right).to(right.dtype) if finite else scaled(right, w)
+        return zeros.index_add(0, left.reshape(-1), rows.reshape(-1, q)).reshape(shape)
     p = left.shape[-1]
+    if finite:  # the weight on the smaller side
+        if p <= q:
+            left = left * _expand(w, left).to(left.dtype)
+        else:
+            right = right * _expand(w, right).to(right.dtype)
+    else:
+        left, right = scaled(left, w), keep(right, w)
     if right.dim() == 4:  # [B, G, T, d] -> [G, B * T, d]
-        lhs = scaled(left, w).transpose(0, 1).reshape(left.shape[1], -1, p)
-        rhs = keep(right, w).transpose(0, 1).reshape(right.shape[1], -1, q)
+        lhs = left.transpose(0, 1).reshape(left.shape[1], -1, p)
+        rhs = right.transpose(0, 1).reshape(right.shape[1], -1, q)
         return torch.bmm(lhs.mT, rhs).reshape(shape)
-    return (scaled(left, w).reshape(-1, p).mT @ keep(right, w).reshape(-1, q)).reshape(shape)
+    return (left.reshape(-1, p).mT @ right.reshape(-1, q)).reshape(shape)
 
 
 def _dense(left: Tensor, rows: int, dtype: torch.dtype) -> Tensor:
