@@ -527,6 +527,7 @@ def make_train_step(
     model: nn.Module | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
+    memory_budget: int | None = None,
     **settings: Any,
 ) -> TrainStep:
     """:func:`dpfunc.make_train_step` for data-parallel training on a process group.
@@ -557,6 +558,7 @@ def make_train_step(
         model=model,
         method=method,
         chunk_size=chunk_size,
+        memory_budget=memory_budget,
         collectives=collectives(config),
     )
 

@@ -97,7 +97,7 @@ class PrivateGradients(PlannedRun):
             :meth:`batches` yields until its caller stops or
             ``epsilon_budget`` would be exceeded.
         physical_batch_size, seed, method, chunk_size, compile, distributed,
-        nonfinite: as for :class:`dpfunc.Trainer` (``seed=None``, the
+        nonfinite, memory_budget: as for :class:`dpfunc.Trainer` (``seed=None``, the
         default, draws a secret; ``method="auto"`` uses ghost clipping where
         it is cheaper).
 
@@ -119,6 +119,7 @@ class PrivateGradients(PlannedRun):
         compile: bool = False,
         distributed: bool | None = None,
         nonfinite: str = "warn",
+        memory_budget: int | None = None,
         **settings: Any,
     ):
         if not isinstance(model, nn.Module):
@@ -143,7 +144,7 @@ class PrivateGradients(PlannedRun):
         make_step = _distributed.make_train_step if plan.distributed else _make_train_step
         self.step_fn = make_step(  # the optimizer is the user's: an identity stands in
             loss_fn, optim.chain(), plan.config, model=model, method=method,
-            chunk_size=chunk_size,
+            chunk_size=chunk_size, memory_budget=memory_budget,
         )  # fmt: skip
         if compile:
             self.step_fn.compile()

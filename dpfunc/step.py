@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from . import optim
+from . import memory, optim
 from .checks import check_choice, check_devices, check_int
 from .clipping import (
     ClippingPolicy,
@@ -63,6 +63,7 @@ from .clipping import (
 from .compiling import compile_fullgraph
 from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPING_MODES: kept importable here)
 from .ghost import GhostClipper, ghost_clip
+from .memory import check_memory_budget
 from .noise import NoiseState, add_noise, average, standard_normal_like
 from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_leaves, tree_map
@@ -232,8 +233,9 @@ class TrainStep:
     """A DP-SGD step; build it with :func:`make_train_step`.
 
     ``config`` (a :class:`~dpfunc.DPConfig` with its noise multiplier
-    resolved) holds the privacy settings; ``model``, ``method`` and
-    ``chunk_size`` only change how fast the same sum is computed.
+    resolved) holds the privacy settings; ``model``, ``method``,
+    ``chunk_size`` and ``memory_budget`` only change how fast (and in how
+    much memory) the same sum is computed.
     ``collectives`` (:class:`Collectives`) combine the ranks' shares of a
     logical batch: :data:`LOCAL` on one process.
     """
@@ -248,6 +250,7 @@ class TrainStep:
         method: str = "auto",
         chunk_size: int | None = None,
         collectives: Collectives = LOCAL,
+        memory_budget: int | None = None,
         **settings: Any,
     ):
         if not callable(loss_fn):
@@ -264,6 +267,7 @@ class TrainStep:
         self.noise_std = config.noise_std  # fails for a config not yet calibrated
         if chunk_size is not None:
             check_int("chunk_size", chunk_size, minimum=1)
+        memory_budget = check_memory_budget(memory_budget)
         check_choice("method", method, METHODS)
         if model is not None and not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
@@ -276,6 +280,8 @@ class TrainStep:
         self.optimizer = optimizer
         self.config = config
         self.chunk_size = chunk_size
+        self.memory_budget = memory_budget
+        self._warned_budget = False
         self.method = method
         self.collectives = collectives
         # read by the pieces below; all come from the frozen config
@@ -288,7 +294,13 @@ class TrainStep:
         self.noise_mechanism = config.noise_mechanism()
         self.clip_mechanism = config.clip_mechanism()
         use_ghost = model is not None and method != "vmap"
-        self._ghost = GhostClipper(model, loss_fn, method) if use_ghost else None
+        self._ghost = (
+            GhostClipper(
+                model, loss_fn, method, memory_budget=memory_budget, vmap_sum=self._timed_vmap
+            )
+            if use_ghost
+            else None
+        )
         self._accumulate, self._apply_reduced = self.accumulate, self.apply_reduced
         self._private_gradient = self.private_gradient
 
@@ -478,9 +490,75 @@ class TrainStep:
                     rows=rows,
                 )
                 return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
-        grads, losses = per_sample_grads_and_losses(
-            self.loss_fn, params, batch, chunk_size=self.chunk_size
-        )
+        return self._vmap_rows(params, batch, mask, clip, rows, policy)
+
+    def _vmap_rows(
+        self,
+        params: Params,
+        batch: PyTree,
+        mask: Tensor,
+        clip: float | Tensor,
+        rows: int,
+        policy: ClippingPolicy,
+    ) -> tuple[Params, ExampleStats]:
+        """The vmap path's clipped sum of ``batch``, in chunks if :meth:`chunk_for` says so."""
+        size = len(mask)
+        chunk = self.chunk_for(params, rows)  # of the physical rows: public
+        if chunk is None or chunk >= size:
+            return self._vmap_clip(params, batch, mask, clip, rows, policy)
+        # chunk by chunk, so that one chunk's per-example gradients are held at a time. The
+        # chunks' sums are added in the accumulation dtype: a blocked summation of the rows,
+        # whose every contribution meets at most (chunk - 1) + (chunks - 1) <= rows - 1
+        # additions, within the margin's gamma_(rows + 2) for ``rows`` rows
+        summed, parts = None, []
+        for start in range(0, size, chunk):
+            rows_of = _row_slice(start, min(start + chunk, size))
+            part, stats = self._vmap_clip(
+                params, tree_map(rows_of, batch), mask[start : start + chunk], clip, rows, policy
+            )
+            summed = part if summed is None else tree_add(summed, part)
+            parts.append(stats)
+        return summed, ExampleStats.cat(parts)
+
+    def _timed_vmap(self, params: Params, batch: PyTree, mask: Tensor) -> Params:
+        """The vmap path's clipped sum as this step computes it (``method="auto"`` times it)."""
+        policy = ClippingPolicy(self.clipping)
+        return self._vmap_rows(params, batch, mask, self.clip_norm, len(mask), policy)[0]
+
+    def chunk_for(self, params: Params, rows: int) -> int | None:
+        """The rows per chunk of the vmap path for a micro-batch of ``rows`` rows (``None``: all).
+
+        An explicit ``chunk_size`` wins; it is warned about once if its
+        per-example gradients exceed ``memory_budget``. Otherwise
+        :func:`dpfunc.memory.chunk_for_budget`. Shapes only (public).
+        """
+        if self.chunk_size is not None:
+            if not self._warned_budget and not memory.fits(
+                params, self.chunk_size, self.memory_budget
+            ):
+                self._warned_budget = True
+                need = memory.vmap_gradient_bytes(params, self.chunk_size)
+                warnings.warn(
+                    f"chunk_size={self.chunk_size} holds about {need:,} bytes of per-example "
+                    f"gradients at once, over memory_budget={self.memory_budget:,}; the "
+                    "explicit chunk_size is kept (leave it out to let the budget choose)",
+                    UserWarning,
+                    stacklevel=5,
+                )
+            return self.chunk_size
+        return memory.chunk_for_budget(params, rows, self.memory_budget)
+
+    def _vmap_clip(
+        self,
+        params: Params,
+        batch: PyTree,
+        mask: Tensor,
+        clip: float | Tensor,
+        rows: int,
+        policy: ClippingPolicy,
+    ) -> tuple[Params, ExampleStats]:
+        """The clipped sum of ``batch``'s rows from materialised per-example gradients."""
+        grads, losses = per_sample_grads_and_losses(self.loss_fn, params, batch)
         groups = policy.groups(grads)
         norms = per_sample_norms(grads, groups)
         clipped = policy(norms, clip, mask, **rounding_scope(params, rows))
@@ -782,6 +860,11 @@ class NoiseAhead:
         return noise
 
 
+def _row_slice(start: int, stop: int) -> Callable[[Any], Any]:
+    """Rows ``start:stop`` of a batch leaf (other leaves unchanged)."""
+    return lambda t: t[start:stop] if isinstance(t, Tensor) else t
+
+
 def _no_stats(params: Params) -> ExampleStats:
     dtype = next(iter(params.values())).dtype
     empty = torch.zeros(0, dtype=dtype)
@@ -797,6 +880,7 @@ def make_train_step(
     model: nn.Module | None = None,
     method: str = "auto",
     chunk_size: int | None = None,
+    memory_budget: int | None = None,
     **settings: Any,
 ) -> TrainStep:
     """Builds the DP-SGD step (Abadi et al. 2016).
@@ -857,7 +941,24 @@ def make_train_step(
             back to vmap; a ``UserWarning`` names the reasons once per step.
             All three clipping modes are supported and the result equals the
             vmap path's.
-        chunk_size: passed to :func:`per_sample_grads` to bound memory.
+        chunk_size: the vmap path computes a micro-batch's clipped sum at
+            most this many rows at a time, so that only their per-example
+            gradients are held at once (bounding memory at some cost in
+            speed; the ghost path passes it to ``vmap`` for the parameters it
+            leaves to vmap). ``None``: all rows together, or what
+            ``memory_budget`` allows.
+        memory_budget: bytes (an int > 0) that the vmap path's per-example
+            gradients may take at once, or ``None`` (default, no budget).
+            Without an explicit ``chunk_size`` the vmap path then works in
+            chunks of :func:`dpfunc.memory.chunk_for_budget` rows (at least
+            one: a budget below one example's gradient is not met); a
+            ``chunk_size`` over the budget is kept, with a warning. With
+            ``method="auto"``, a model the ghost path covers whose
+            full-batch per-example gradients would exceed the budget is
+            ghost-clipped without timing. The result is the same with or
+            without a budget, up to the order of float additions (covered by
+            the clip margin). Activations and the non-private backward are
+            not counted: the budget bounds what DP adds, not the peak.
         **settings: the keyword form: ``DPConfig``'s fields
             (``clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=256,
             ...``) instead of ``config``.
@@ -876,7 +977,8 @@ def make_train_step(
     Raises:
         ValueError: a privacy setting is invalid (see :class:`DPConfig`), a
             config with ``target_epsilon`` not yet calibrated, an unknown
-            ``method``, ``method="ghost"`` without ``model``; at call time,
+            ``method``, ``method="ghost"`` without ``model``, a
+            ``chunk_size`` or ``memory_budget`` that is not an int >= 1; at call time,
             a batch, mask or noise tree that does not match, or a non-scalar
             loss.
         TypeError: ``optimizer`` is not an (init, update) pair, ``model`` is
@@ -884,4 +986,12 @@ def make_train_step(
             unknown keyword.
     """
     config = config_from("make_train_step", config, settings)
-    return TrainStep(loss_fn, optimizer, config, model=model, method=method, chunk_size=chunk_size)
+    return TrainStep(
+        loss_fn,
+        optimizer,
+        config,
+        model=model,
+        method=method,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+    )

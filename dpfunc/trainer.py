@@ -45,6 +45,7 @@ OPTIONS = {
     "checkpoint_every": None,
     "distributed": None,
     "nonfinite": "warn",
+    "memory_budget": None,
 }
 
 
@@ -96,7 +97,9 @@ class Trainer(PlannedRun):
             the same methods; ``fit``, ``train_step``, ``save`` and ``load``
             are collective); ``nonfinite``: ``"warn"`` (default) or
             ``"error"`` about examples with a NaN/inf gradient, always left
-            out of the sum (:func:`dpfunc.step.check_nonfinite`). The
+            out of the sum (:func:`dpfunc.step.check_nonfinite`);
+            ``memory_budget``: bytes the per-example gradients may take at
+            once, as for :func:`dpfunc.make_train_step` (default ``None``). The
             keyword form of the privacy settings:
             ``DPConfig``'s fields (``epochs=3, expected_batch_size=256,
             clip_norm=1.0, target_epsilon=3.0, ...``) instead of ``config``.
@@ -141,8 +144,9 @@ class Trainer(PlannedRun):
         self._warned_nonfinite = False
         make_step = _distributed.make_train_step if plan.distributed else make_train_step
         self.step_fn = make_step(
-            loss_fn, optimizer, config, model=model, method=method, chunk_size=chunk_size
-        )
+            loss_fn, optimizer, config, model=model, method=method, chunk_size=chunk_size,
+            memory_budget=run["memory_budget"],
+        )  # fmt: skip
         if compile:
             self.step_fn.compile()  # the collectives run eagerly between the compiled pieces
         self.state: TrainState = self.step_fn.init(params)  # distributed: rank 0's params

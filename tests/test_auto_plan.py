@@ -1,5 +1,6 @@
-"""method="auto"'s eager choice without timing for small per-example gradients, and the plan
-function's compile-time constant mark set without importing Dynamo."""
+"""method="auto"'s eager choice: the cost model (small per-example gradients: vmap; dense Linear
+layers: ghost) without timing, otherwise alternating timings compared by their minima; and the
+plan function's compile-time constant mark set without importing Dynamo."""
 
 import subprocess
 import sys
@@ -14,8 +15,10 @@ from dpfunc.ghost import GhostClipper, remove_hooks
 from dpfunc.ghost import clipper as clipper_module
 
 
-def _problem(width: int):
-    model = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 3))
+def _problem(width: int, dense: bool = False):
+    """A small model; ``dense``: Linear layers only (the cost model ghosts those untimed)."""
+    norm = nn.Identity() if dense else nn.LayerNorm(width)
+    model = nn.Sequential(nn.Linear(width, width), norm, nn.Tanh(), nn.Linear(width, 3))
     params, buffers = dpfunc.functionalize(model)
 
     def loss_fn(p, x):
@@ -89,3 +92,74 @@ def test_the_plan_mark_is_dynamos_own():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _fake_clock(monkeypatch, durations):
+    """perf_counter returning start/stop pairs ``durations`` apart, in call order."""
+    ticks = []
+    now = 0.0
+    for d in durations:
+        ticks += [now, now + d]
+        now += d + 1.0
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return ticks.pop(0)
+
+    monkeypatch.setattr(clipper_module, "time", Clock)
+    return ticks
+
+
+@pytest.mark.parametrize(
+    "ghost, vmap, ghosted",
+    [
+        ([5.0, 1.0, 5.0], [2.0, 2.0, 2.0], True),  # a slower mean, a faster minimum: ghost
+        ([2.0, 2.0, 2.0], [5.0, 1.0, 5.0], False),
+        ([1.0, 3.0, 3.0], [3.0, 1.0, 3.0], False),  # a tie keeps vmap
+    ],
+)
+def test_auto_times_alternately_and_compares_the_minima(monkeypatch, ghost, vmap, ghosted):
+    model, params, loss_fn = _problem(8)
+    monkeypatch.setattr(clipper_module, "SMALL_GRADIENTS", 0)  # the cost model is not decisive
+    assert len(ghost) == clipper_module.TIMED_RUNS
+    ticks = _fake_clock(monkeypatch, [t for pair in zip(ghost, vmap) for t in pair])
+    x = torch.randn(16, 8)
+    before = torch.random.get_rng_state()
+    plan = GhostClipper(model, loss_fn, "auto").plan(params, x)
+    assert not ticks  # every timing was read, and no more
+    assert torch.equal(torch.random.get_rng_state(), before)  # the timing leaves the RNG as it was
+    assert bool(plan.modules) == ghosted
+    if not ghosted:
+        assert dict(plan.vmapped) == {n: clipper_module.MEASURED for n in params}
+    remove_hooks(model)
+
+
+def test_auto_ghosts_dense_linear_models_untimed(monkeypatch):
+    """Linear layers with one position per example, over SMALL_GRADIENTS: ghost, untimed."""
+    model, params, loss_fn = _problem(8, dense=True)
+    calls = []
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            calls.append(1)
+            return 0.0
+
+    monkeypatch.setattr(clipper_module, "time", Clock)
+    entries = 16 * sum(p.numel() for p in params.values())
+    monkeypatch.setattr(clipper_module, "SMALL_GRADIENTS", entries - 1)
+    plan = GhostClipper(model, loss_fn, "auto").plan(params, torch.randn(16, 8))
+    assert not calls and set(plan.explain(params).values()) == {"ghost"}
+    remove_hooks(model)
+    # a sequence of tokens (several positions per example) is timed instead
+    seq_model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    seq_params, buffers = dpfunc.functionalize(seq_model)
+
+    def seq_loss(p, x):
+        return functional_call(seq_model, (p, buffers), (x,)).square().sum()  # x: [4, 8]
+
+    monkeypatch.setattr(clipper_module, "SMALL_GRADIENTS", 0)
+    GhostClipper(seq_model, seq_loss, "auto").plan(seq_params, torch.randn(16, 4, 8))
+    assert calls
+    remove_hooks(seq_model)

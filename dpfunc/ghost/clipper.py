@@ -4,24 +4,29 @@
 (:mod:`~dpfunc.ghost.hooks`) and one :class:`~dpfunc.ghost.planner.GhostPlan`
 per batch structure, made by the planner's analysis pass on the first batch
 of that structure and a constant under ``torch.compile``. Eagerly,
-``method="auto"`` also times the planned ghost pass (:mod:`~dpfunc.ghost.runtime`)
-against plain vmap once and keeps the faster, unless every example's gradient
-together is small (``SMALL_GRADIENTS``): then plain vmap is kept without the
-timing, which would cost more than it could save. The fallbacks a plan makes are
-warned about once per step.
+``method="auto"`` then chooses between the planned ghost pass
+(:mod:`~dpfunc.ghost.runtime`) and plain vmap: from a cost model of shapes
+where it is decisive (a ``memory_budget`` that vmap's per-example gradients
+exceed: ghost; every example's gradient together small, ``SMALL_GRADIENTS``:
+vmap; a model of dense ``Linear`` layers with one position per example:
+ghost), and otherwise from ``TIMED_RUNS`` alternating timings of each, by
+their minima. The fallbacks a plan makes are warned about once per step.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 
+from .. import memory
 from ..checks import check_devices
 from ..clipping import ClippingPolicy, clipped_sum, per_sample_norms
 from ..per_sample import per_sample_grads_and_losses
@@ -32,14 +37,23 @@ from .runtime import ghost_clip
 
 __all__ = ["GhostClipper"]
 
-MEASURED = "vmap: plain vmap measured faster for this batch shape (method='auto')"
+MEASURED = (
+    "vmap: plain vmap measured faster for this batch shape (fastest of TIMED_RUNS calls each, "
+    "method='auto')"
+)
+TIMED_RUNS = 3
+"""Timed calls of each path, after one warm-up each, where the cost model is not decisive."""
 SMALL_GRADIENTS = 2**22
 """Batch rows times trainable entries up to which eager ``method="auto"`` keeps plain vmap
 untimed: materialising that many per-example gradient entries (16 MiB in float32) costs
-less than the ghost pass's fixed costs and the timing's four extra passes. Measured on
+less than the ghost pass's fixed costs and the timing's extra passes. Measured on
 CPU, 2 threads: the digits GroupNorm CNN (10,026 entries, batch 153: 1.5M) and Opacus'
 MNIST SampleConvNet (26,010, batch 88: 2.3M) run their ghost pass 1.6x to 3x slower than
-vmap, and the first step paid 0.2 to 0.6 s for the timing."""
+vmap, and the first step paid 0.2 to 0.6 s for the timing. No count of entries above it
+makes ghost clipping decisive by itself: eagerly, the bench's transformer (batch 128, 48M
+entries) and digits CNN (batch 4096, 39M) still ran vmap 1.6x to 1.7x faster, while the
+CNN (batch 256, 15M) ran ghost 2.9x faster; the rules' arithmetic does not see the
+ghost pass's fixed costs, so those cases are timed."""
 SMALL = (
     "vmap: every example's gradient together is small (batch x parameters <= "
     "SMALL_GRADIENTS), plain vmap kept untimed (method='auto')"
@@ -80,12 +94,25 @@ def _rebuild(skeleton: Any, leaves) -> PyTree:
 class GhostClipper:
     """Per-step state of the ghost path: the hooks, the plans by batch structure, warnings."""
 
-    def __init__(self, model: nn.Module, loss_fn, method: str):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn,
+        method: str,
+        *,
+        memory_budget: int | None = None,
+        vmap_sum: Callable[[Params, PyTree, Tensor], Any] | None = None,
+    ):
+        """``memory_budget``: as for :func:`dpfunc.make_train_step` (bytes or ``None``);
+        ``vmap_sum(params, batch, mask)``: the step's own vmap path, which ``method="auto"``
+        times (``None``: plain unchunked vmap)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.model = model
         self.loss_fn = loss_fn
         self.method = method
+        self.memory_budget = memory.check_memory_budget(memory_budget)
+        self.vmap_sum = vmap_sum
         self.hooks = install_hooks(model)
         self.plans: dict[Any, GhostPlan] = {}
         self.warned = False
@@ -181,24 +208,25 @@ def _all_vmap(names, why: str) -> GhostPlan:
 
 
 def _faster_of(clipper: GhostClipper, plan: GhostPlan, params: Params, batch) -> GhostPlan:
-    """``method="auto"`` eagerly: ``plan``, or plain vmap if that measured faster.
+    """``method="auto"`` eagerly: ``plan``, or plain vmap; the cost model first, then timings.
 
-    The rules' cost models count arithmetic; on small models the ghost pass's
-    fixed costs (hooks, a second backward) can dominate. So the first eager
-    step of each batch shape times both ways to the clipped sum once, after
-    one warm-up call each, on the real batch, and keeps the faster (vmap on
-    a tie). Compiled steps keep the cost model: their times differ from eager
-    ones. The global RNG state is restored, so the timing leaves dropout
-    draws as they were. When the batch's per-example gradients hold at most
-    ``SMALL_GRADIENTS`` entries in all, plain vmap is kept without timing
-    (shapes only: public).
+    The cost model (:func:`_cost_model`, shapes only: public) decides where it
+    is decisive. Otherwise the first eager step of each batch shape times both
+    ways to the clipped sum on the real batch: one warm-up call each, then
+    ``TIMED_RUNS`` calls of each, alternately, and keeps the one whose fastest
+    call is faster (vmap on a tie). Load on the machine only ever slows a call,
+    so the minimum is the statistic it disturbs least, and alternating spreads
+    a burst of load over both. The vmap side is timed as the step runs it
+    (chunked where a ``memory_budget`` asks). Compiled steps keep the rules'
+    cost models: their times differ from eager ones. The global RNG state is
+    restored, so the timing leaves dropout draws as they were.
     """
+    decided = _cost_model(clipper, plan, params, _torch_tree_leaves(batch)[0].shape[0])
+    if decided is not None:
+        return decided
     size = _torch_tree_leaves(batch)[0].shape[0]
-    if size * sum(p.numel() for p in params.values()) <= SMALL_GRADIENTS:
-        return GhostPlan((), (), tuple((n, SMALL) for n in params))
     device = next(iter(params.values())).device
     mask = torch.ones(size, dtype=torch.bool, device=device)
-
     policy = ClippingPolicy("flat")
 
     def ghost() -> None:
@@ -206,11 +234,13 @@ def _faster_of(clipper: GhostClipper, plan: GhostPlan, params: Params, batch) ->
                    clipping=policy, clip_norm=1.0)  # fmt: skip
 
     def plain() -> None:
+        if clipper.vmap_sum is not None:
+            clipper.vmap_sum(params, batch, mask)
+            return
         grads, _ = per_sample_grads_and_losses(clipper.loss_fn, params, batch)
         clipped_sum(grads, policy(per_sample_norms(grads), 1.0, mask).weights)
 
     def seconds(run) -> float:
-        run()  # warm-up: first-call costs are not what a step pays
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
@@ -220,8 +250,39 @@ def _faster_of(clipper: GhostClipper, plan: GhostPlan, params: Params, batch) ->
         return time.perf_counter() - started
 
     devices = [device.index] if device.type == "cuda" else []
+    ghost_s, vmap_s = [], []
     with torch.random.fork_rng(devices=devices):
-        ghost_s, vmap_s = seconds(ghost), seconds(plain)
-    if ghost_s < vmap_s:
+        ghost(), plain()  # warm-up: first-call costs are not what a step pays
+        for _ in range(TIMED_RUNS):
+            ghost_s.append(seconds(ghost))
+            vmap_s.append(seconds(plain))
+    if min(ghost_s) < min(vmap_s):
         return plan
     return GhostPlan((), (), tuple((n, MEASURED) for n in params))
+
+
+def _cost_model(clipper: GhostClipper, plan: GhostPlan, params: Params, rows: int):
+    """The eager ``auto`` choice from shapes alone where that is decisive; ``None`` otherwise.
+
+    In order: (1) with a ``memory_budget`` that the vmap path's full-batch
+    per-example gradients (:func:`dpfunc.memory.vmap_gradient_bytes`) exceed,
+    ghost clipping, provided the gradients it still leaves to vmap fit the
+    budget; (2) plain vmap when ``rows x trainable entries <=
+    SMALL_GRADIENTS``; (3) ghost clipping when the plan covers every
+    parameter and every ghosted layer is a ``Linear`` that sees one position
+    per example (``DENSE``); otherwise ``None``: time both.
+    """
+    budget = clipper.memory_budget
+    if budget is not None and memory.vmap_gradient_bytes(params, rows) > budget:
+        left = {n: p for n, p in params.items() if n not in set(plan.covered)}
+        if memory.vmap_gradient_bytes(left, rows) <= budget:
+            return plan
+    if rows * memory.gradient_entries(params) <= SMALL_GRADIENTS:
+        return GhostPlan((), (), tuple((n, SMALL) for n in params))
+    if len(plan.covered) == len(params) and all(
+        type(clipper.hooks.modules[m.path]) is nn.Linear
+        and all(math.prod(shape[:-1]) == 1 for shape in m.probes)
+        for m in plan.modules
+    ):
+        return plan
+    return None
