@@ -325,6 +325,7 @@ class TrainStep:
         (copies) after the ranks' settings are checked to agree.
         """
         params = self.collectives.start(params)
+        self.chunk_for(params, 1)  # warns of a chunk_size over memory_budget before any step
         step = torch.zeros((), dtype=torch.int64)
         return TrainState(
             params,
@@ -357,10 +358,11 @@ class TrainStep:
         clipped sum come from ghost clipping, or ``{name: "vmap: <why>"}`` for
         one whose per-example gradient is materialised by vmap, with the
         reason (no rule for its layer, a use the planner cannot follow, a cost
-        choice of ``method="auto"``). Eagerly with ``method="auto"`` this is
-        the plan after the one-time timing of ghost against vmap, which runs
-        here if the step has not yet seen this batch shape; a compiled step
-        plans by the rules' cost models alone, so its plan can differ.
+        choice of ``method="auto"``: its cost model's or its timings'). Eagerly
+        with ``method="auto"`` this is the plan after the choice between ghost
+        and vmap, which runs (and may time both) here if the step has not yet
+        seen this batch shape; a compiled step plans by the rules' cost models
+        alone, so its plan can differ.
 
         >>> import dpfunc, torch
         >>> from torch.func import functional_call
@@ -533,8 +535,10 @@ class TrainStep:
         :func:`dpfunc.memory.chunk_for_budget`. Shapes only (public).
         """
         if self.chunk_size is not None:
-            if not self._warned_budget and not memory.fits(
-                params, self.chunk_size, self.memory_budget
+            if (
+                not self._warned_budget
+                and not torch.compiler.is_compiling()  # init() has warned already
+                and not memory.fits(params, self.chunk_size, self.memory_budget)
             ):
                 self._warned_budget = True
                 need = memory.vmap_gradient_bytes(params, self.chunk_size)
@@ -929,17 +933,19 @@ def make_train_step(
             ``T = 1`` or ``T^2 < d_in * d_out``, an Embedding with ``T^2 <
             16 num_embeddings``, and recurrent and normalisation layers; vmap
             for the rest, and plain vmap when that leaves nothing to ghost;
-            eagerly, the first call for each batch shape also times that plan
-            against plain vmap once and keeps the faster; without ``model``,
-            vmap). Ghost covers ``Linear``, ``Embedding``,
-            ``Conv1d``/``Conv2d``, ``LayerNorm``, ``GroupNorm`` and ``RNN`` /
-            ``GRU`` / ``LSTM`` (unrolled, without ``proj_size``); every other
-            parameter, and any covered module it cannot vouch for (called
-            twice, inside a nested ``torch.func`` transform, tied or used
-            outside its call, behind another forward hook), gets per-example
-            gradients from vmap in the same pass, or the whole step falls
-            back to vmap; a ``UserWarning`` names the reasons once per step.
-            All three clipping modes are supported and the result equals the
+            eagerly, the first call for each batch shape then chooses between
+            that plan and plain vmap, from shapes where they are decisive
+            (a ``memory_budget`` vmap would exceed: ghost; every example's
+            gradient together small: vmap; ``Linear`` layers only, one
+            position per example: ghost) and otherwise from three timings
+            of each, alternately, by their minima (see
+            :mod:`dpfunc.ghost.clipper`); without ``model``, vmap). Ghost covers ``Linear``,
+            ``Embedding``, ``Conv1d``/``Conv2d``, ``LayerNorm``, ``GroupNorm`` and ``RNN`` / ``GRU``
+            / ``LSTM`` (unrolled, without ``proj_size``); every other parameter, and any covered
+            module it cannot vouch for (called twice, inside a nested ``torch.func`` transform, tied
+            or used outside its call, behind another forward hook), gets per-example gradients from
+            vmap in the same pass, or the whole step falls back to vmap; a ``UserWarning`` names the
+            reasons once per step. All three clipping modes are supported and the result equals the
             vmap path's.
         chunk_size: the vmap path computes a micro-batch's clipped sum at
             most this many rows at a time, so that only their per-example

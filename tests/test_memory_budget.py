@@ -193,3 +193,24 @@ def test_auto_ghosts_untimed_where_vmap_would_exceed_the_budget(monkeypatch, fit
     else:
         assert not calls and set(plan.values()) == {"ghost"}
     remove_hooks(model)
+
+
+def test_init_warns_of_a_chunk_size_over_the_budget():
+    _, params, loss_fn, _ = _problem()
+    with pytest.warns(UserWarning, match="chunk_size=5 .* over memory_budget"):
+        _step(loss_fn, chunk_size=5, memory_budget=_budget(2)).init(params)
+
+
+def test_the_compiled_chunked_step_equals_the_eager_unchunked_one():
+    """fullgraph on Dynamo's eager backend: the chunk loop traces (Inductor is not needed)."""
+    _, params, loss_fn, batch = _problem()
+    mask = torch.ones(ROWS, dtype=torch.bool)
+    mask[4] = False
+    noise = dpfunc.standard_normal_like(params, seed=0, step=0)
+    plain = _step(loss_fn)
+    want, _ = plain(plain.init(params), batch, mask, noise)
+    chunked = _step(loss_fn, memory_budget=_budget(3))
+    compiled = torch.compile(chunked, fullgraph=True, backend="eager")
+    got, _ = compiled(chunked.init(params), batch, mask, noise)
+    for name in params:
+        torch.testing.assert_close(got.params[name], want.params[name], rtol=1e-13, atol=0)

@@ -37,12 +37,12 @@ from .runtime import ghost_clip
 
 __all__ = ["GhostClipper"]
 
-MEASURED = (
-    "vmap: plain vmap measured faster for this batch shape (fastest of TIMED_RUNS calls each, "
-    "method='auto')"
-)
 TIMED_RUNS = 3
 """Timed calls of each path, after one warm-up each, where the cost model is not decisive."""
+MEASURED = (
+    "vmap: plain vmap measured faster for this batch shape (the fastest of "
+    f"{TIMED_RUNS} calls of each, method='auto')"
+)
 SMALL_GRADIENTS = 2**22
 """Batch rows times trainable entries up to which eager ``method="auto"`` keeps plain vmap
 untimed: materialising that many per-example gradient entries (16 MiB in float32) costs
