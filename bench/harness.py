@@ -31,6 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 import dpfunc  # noqa: E402
+from dpfunc.compiling import compile_fullgraph  # noqa: E402
 
 # --- settings -----------------------------------------------------------------
 
@@ -187,7 +188,9 @@ def dpfunc_step(model, x, y, /, method, compile=False, forward=call_model, crite
         noise_multiplier=NOISE_MULTIPLIER, expected_batch_size=len(y),
         model=model, method=method,
     )  # fmt: skip
-    call = torch.compile(train_step, fullgraph=True) if compile else train_step
+    # compiled as dpfunc compiles (compile=True): fullgraph, Dynamo's RNN support on and
+    # logging calls (transformers' warning_once) left out of the graph
+    call = compile_fullgraph(train_step) if compile else train_step
     mask = torch.ones(len(y), dtype=torch.bool, device=y.device)
     box = {"state": train_step.init(params), "i": 0}
 

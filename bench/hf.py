@@ -6,7 +6,7 @@ Run from the repository root:
     .venv/bin/python bench/hf.py --quick    # smoke run (a few minutes; skips torch.compile)
     .venv/bin/python bench/hf.py --out DIR  # write DIR/hf.json and DIR/hf.md
 
-Three workloads, each a model built from a small config (nothing is downloaded), float32,
+Five workloads, each a model built from a small config (nothing is downloaded), float32,
 batch 32 of 64 tokens with right padding (every sequence keeps between 32 and 64 tokens;
 the attention_mask marks the rest):
 
@@ -17,6 +17,12 @@ the attention_mask marks the rest):
   of a sequence is the mean next-token cross-entropy over its labelled tokens (labels are
   the input ids, -100 at padding; for one sequence this is the model's own ``labels=``
   loss); the batch loss is the mean over sequences, so all methods do the same math.
+- ``gpt2_labels``: the same GPT-2 called with ``labels=``, transformers' own loss (for one
+  sequence, the same loss as ``gpt2_full``'s; the non-private step averages the batch's
+  tokens instead of its sequences, at the same cost). No Opacus rows: its ghost mode needs
+  one loss per example.
+- ``llama``: LlamaForCausalLM (hidden 128, 2 layers, 4 heads, 2 key-value heads: grouped-
+  query attention, RoPE, RMSNorm, SwiGLU with intermediate 512), loss as ``gpt2_full``.
 - ``gpt2_lora``: the same GPT-2 under ``peft.get_peft_model`` with ``LoraConfig(r=8,
   target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)``: only the adapters train.
 
@@ -129,6 +135,28 @@ def gpt2_lora():
     return model, (ids, mask), ids.masked_fill(mask == 0, -100)
 
 
+def gpt2_labels():
+    """GPT-2 called as people call it: ``model(..., labels=labels).loss``, transformers' own
+    loss (the mean over the labelled tokens of what it is given: for one sequence, the same
+    loss as ``gpt2_full``'s). The labels travel with the inputs: x = (ids, mask, labels)."""
+    ids, mask = padded_tokens()
+    labels = ids.masked_fill(mask == 0, -100)
+    return gpt2(), (ids, mask, labels), labels
+
+
+def llama():
+    """A Llama-style decoder: grouped-query attention (4 heads, 2 key-value heads), RoPE,
+    RMSNorm, SwiGLU; LM head not tied."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=512, max_position_embeddings=T,
+        pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).train()
+    ids, mask = padded_tokens()
+    return model, (ids, mask), ids.masked_fill(mask == 0, -100)
+
+
 class LanguageModelLoss(nn.Module):
     """Next-token cross-entropy: each sequence's mean over its labelled tokens (label -100:
     none), then the mean over sequences (``reduction="mean"``) or one per sequence
@@ -153,6 +181,21 @@ def logits(call, x):
     return call(input_ids=ids, attention_mask=mask).logits
 
 
+def labels_loss(call, x):
+    """transformers' own loss on x = (input_ids, attention_mask, labels)."""
+    ids, mask, labels = x
+    return call(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+class ModelLoss(nn.Module):
+    """The criterion of ``gpt2_labels``: the model already returned its loss."""
+
+    reduction = "mean"
+
+    def forward(self, loss, labels):
+        return loss
+
+
 def logits_explicit_ids(call, x, token_types=False):
     """``logits`` with the ids the model would default to passed in with a batch dimension:
     position_ids (and BERT's token_type_ids). The defaults are buffers of batch 1, which
@@ -167,30 +210,36 @@ def bert_explicit_ids(call, x):
     return logits_explicit_ids(call, x, token_types=True)
 
 
-# name -> (build, loss module type, forward with explicit ids for the opacus_*_ids rows)
+# name -> (build, loss module type, forward with explicit ids for the opacus_*_ids rows,
+# forward of the other rows)
 WORKLOADS = {
-    "bert_masked": (bert_masked, nn.CrossEntropyLoss, bert_explicit_ids),
-    "gpt2_full": (gpt2_full, LanguageModelLoss, logits_explicit_ids),
-    "gpt2_lora": (gpt2_lora, LanguageModelLoss, logits_explicit_ids),
+    "bert_masked": (bert_masked, nn.CrossEntropyLoss, bert_explicit_ids, logits),
+    "gpt2_full": (gpt2_full, LanguageModelLoss, logits_explicit_ids, logits),
+    "gpt2_labels": (gpt2_labels, ModelLoss, None, labels_loss),
+    "gpt2_lora": (gpt2_lora, LanguageModelLoss, logits_explicit_ids, logits),
+    "llama": (llama, LanguageModelLoss, logits_explicit_ids, logits),
 }
+# Opacus needs one loss per example in ghost mode, which transformers' labels= loss does not
+# give (it averages the batch's tokens): gpt2_labels has no Opacus rows
+NO_OPACUS = {"gpt2_labels"}
 
 
 # --- methods: bench/harness.py's builders on this forward and loss ------------------------
 
 
-def builders(criterion, explicit_ids=logits_explicit_ids) -> dict:
+def builders(criterion, explicit_ids=logits_explicit_ids, forward=logits) -> dict:
     """name -> builder(model, x, y) -> (step, params); ``criterion()`` makes a fresh loss.
     The ``opacus_*_ids`` rows call the model through ``explicit_ids``, the rest through
-    ``logits``."""
+    ``forward``."""
 
-    def kw(forward=logits):
-        return {"forward": forward, "criterion": criterion()}
+    def kw(call=forward):
+        return {"forward": call, "criterion": criterion()}
 
     def dp(method, compile=False):
         return lambda m, x, y: harness.dpfunc_step(m, x, y, method, compile=compile, **kw())
 
-    def opacus(mode, forward=logits):
-        return lambda m, x, y: harness.opacus(m, x, y, mode, **kw(forward))
+    def opacus(mode, call=forward):
+        return lambda m, x, y: harness.opacus(m, x, y, mode, **kw(call))
 
     return {
         "nonprivate": lambda m, x, y: harness.nonprivate(m, x, y, **kw()),
@@ -383,12 +432,15 @@ def main():
     results["targets"] = TARGETS
     for name in workloads:
         print(f"{name}:", flush=True)
-        build, criterion, explicit_ids = WORKLOADS[name]
+        build, criterion, explicit_ids, forward = WORKLOADS[name]
         logs = {m: {} for m in methods}
-        table = builders(criterion, explicit_ids)
+        table = builders(criterion, explicit_ids, forward)
         table = {m: recorded(table[m], logs[m], settings["warmup"]) for m in methods}
+        skipped = dict(skip)
+        if name in NO_OPACUS:
+            skipped.update({m: "skipped: no per-example loss" for m in methods if "opacus" in m})
         info = harness.bench_workload(
-            name, methods, skip=skip, **settings, workloads={name: build}, builders=table
+            name, methods, skip=skipped, **settings, workloads={name: build}, builders=table
         )
         torch.manual_seed(harness.SEED)
         trained = {n: p for n, p in build()[0].named_parameters() if p.requires_grad}
