@@ -477,7 +477,7 @@ class TrainStep:
             return zeros, stats
         policy = ClippingPolicy(self.clipping)  # the same policy on both paths
         if self._ghost is not None:
-            plan = self._ghost.plan(params, batch)
+            plan = self._ghost.plan(params, batch, rows)  # rows: padded, public
             if plan.modules:
                 summed, losses, clipped = ghost_clip(
                     self.loss_fn,

@@ -4,9 +4,11 @@ plan function's compile-time constant mark set without importing Dynamo."""
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
@@ -163,3 +165,29 @@ def test_auto_ghosts_dense_linear_models_untimed(monkeypatch):
     GhostClipper(seq_model, seq_loss, "auto").plan(seq_params, torch.randn(16, 4, 8))
     assert calls
     remove_hooks(seq_model)
+
+
+def test_the_cost_model_reads_the_padded_rows_not_the_real_ones():
+    # eagerly the step leaves padding rows out before planning; the number of real examples
+    # in the first micro-batch is private and must not choose the path
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 1024), torch.randint(0, 512, (16,))
+    choices = []
+    for real in (4, 12):  # 4 x 525k entries <= SMALL_GRADIENTS < 12 x 525k
+        model = nn.Linear(1024, 512)
+        params, buffers = dpfunc.functionalize(model)
+
+        def loss_fn(p, ex, model=model, buffers=buffers):
+            xi, yi = ex
+            return F.cross_entropy(functional_call(model, (p, buffers), (xi[None],)), yi[None])
+
+        step = dpfunc.make_train_step(
+            loss_fn, dpfunc.optim.sgd(lr=0.1), model=model, method="auto",
+            clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=16,
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step.accumulate(step.zeros(params), params, (x, y), torch.arange(16) < real)
+        (plan,) = step._ghost.plans.values()
+        choices.append(sorted(set(plan.explain(list(params)).values())))
+    assert choices[0] == choices[1]

@@ -163,3 +163,50 @@ def test_the_margin_compiles_for_a_dynamic_batch_size():
         torch.testing.assert_close(
             factors(norms), dpfunc.clip_factors(norms, 1.0), rtol=1e-12, atol=0
         )
+
+
+# --- the ghost path at extreme magnitudes: overflow and underflow in float32 products -----
+
+
+def _ghost_contribution(din, dout, x, target, clip_norm):
+    """The norm (float64) of one example's contribution to the ghost path's clipped sum, for a
+    bias-free Linear whose output gradient is ``target`` (the loss is ``(out * target).sum()``)."""
+    torch.manual_seed(0)
+    model = nn.Linear(din, dout, bias=False)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        xi, ti = example
+        return (functional_call(model, (p, buffers), (xi,)) * ti).sum()
+
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=1.0), model=model, method="ghost",
+        clip_norm=clip_norm, noise_multiplier=1.0, expected_batch_size=1,
+    )  # fmt: skip
+    summed, stats = step.clip(params, (x[None], target[None]), torch.ones(1, dtype=torch.bool))
+    exact = torch.linalg.matrix_norm(target.double().mT @ x.double()).item()
+    return torch.linalg.vector_norm(summed["weight"].double()).item(), exact, stats.norm.item()
+
+
+def test_gram_rows_that_overflow_count_as_non_finite():
+    # every Gram entry is finite, but row 0 sums below -3.4e38 in float32: clamped to 0, the
+    # norm would be 1e2 times too small; the example must be left out instead
+    t, d = 44, 64
+    x = torch.zeros(t, d)
+    x[:, 0] = 1.0
+    target = torch.zeros(t, d)
+    target[:, 0] = 1e18
+    target[0, 0] = -1.8e19
+    contribution, exact, norm = _ghost_contribution(d, d, x, target, 1.0)
+    assert exact > 1e19 and norm >= exact  # inf: dropped as non-finite
+    assert contribution <= 1.0
+
+
+@pytest.mark.parametrize("t, clip_norm", [(64, 1.0), (1, 0.01)])  # Gram form, outer form
+def test_products_that_underflow_do_not_hide_a_gradient(t, clip_norm):
+    # inputs of 2e-23 (their squares underflow in float32) against output gradients of 9e18:
+    # every float32 norm and Gram entry is 0 while the gradient's entries are ordinary
+    x, target = torch.full((t, 4096), 2e-23), torch.full((t, 4), 9e18)
+    contribution, exact, norm = _ghost_contribution(4096, 4, x, target, clip_norm)
+    assert exact > clip_norm and norm >= exact
+    assert contribution <= clip_norm * (1 + 1e-12)

@@ -110,28 +110,54 @@ def position_norms(t: Tensor) -> Tensor:
 
     Computed in ``t``'s dtype (converting the whole tensor to float64 first
     costs a copy of it, a third of the ghost norms' time on a transformer),
-    then widened and divided by ``1 - gamma_{d+1}``: the computed sum of ``d``
-    squares is at least ``(1 - gamma_d)`` times the exact one, and the square
-    root rounds once more. A position whose squares overflow (``|t| > 1.8e19``
-    in float32) gets an infinite bound, so its example's norm is infinite and
-    it is treated as non-finite (weight 0), never under-counted.
+    then widened: the computed sum of ``d`` squares is at least ``(1 -
+    gamma_d)`` times the exact one less ``d tiny`` for squares that underflow
+    (``tiny``, the dtype's smallest normal number, also covers flushing
+    subnormals to zero), and the square root rounds once more, so
+    ``sqrt(n^2 + d tiny) / (1 - gamma_{d+1})`` bounds the norm from above. A
+    position whose squares overflow (``|t| > 1.8e19`` in float32) gets an
+    infinite bound, so its example's norm is infinite and it is treated as
+    non-finite (weight 0), never under-counted.
     """
     d = t.shape[-1]
-    return torch.linalg.vector_norm(t, dim=-1).to(F64) / (1 - gamma(d + 1, t.dtype))
+    tiny = torch.finfo(t.dtype).tiny
+    n = torch.linalg.vector_norm(t, dim=-1).to(F64)
+    return (n.square() + d * tiny).sqrt() * ((1 + 2**-50) / (1 - gamma(d + 1, t.dtype)))
 
 
 def pair_sum(x: Tensor) -> Tensor:
     """``x [N, T, T'] -> [N]`` float64: the sum over the last dimension in ``x``'s dtype,
     then over the rest in float64 (so that only ``[N, T]``, not ``x``, is converted). The
     first stage's rounding is at most ``gamma_{T'}`` of ``x``'s dtype times ``sum |x|``,
-    which the callers' error terms add."""
-    return x.sum(-1).to(F64).sum(-1)
+    which the callers' error terms add. A first-stage sum that overflows (finite entries
+    can sum past the dtype's range, to ``-inf`` as well) or is NaN becomes ``+inf``, so
+    the example's norm is infinite and it is treated as non-finite, never clamped to a
+    small norm."""
+    rows = x.sum(-1)
+    rows = torch.where(torch.isfinite(rows), rows, math.inf)
+    return rows.to(F64).sum(-1)
 
 
-def _position_norm_sum(a: Tensor, g: Tensor) -> Tensor:
-    """``S_i = sum_t |a_it| |g_it|`` (bounded above), float64 ``[N]``: bounds every rounding
-    error below."""
-    return (position_norms(a) * position_norms(g)).sum(1)
+def underflow(left_sum: Tensor, right_sum: Tensor, p: int, q: int, pairs: int, dtype) -> Tensor:
+    """The absolute error that underflow can add to a Gram-form squared norm, float64 ``[N]``.
+
+    Each entry of a Gram matrix of rows of width ``p`` may lose ``p tiny`` to
+    products that underflow (``tiny``: the dtype's smallest normal number),
+    which the other side's entries multiply: summed over the pairs, at most
+    ``tiny (p R^2 + q L^2 + pairs (1 + p q tiny))`` with ``L`` and ``R`` the sums
+    of the position norms of each side; doubled for the rounding of these
+    terms. Negligible unless the magnitudes are extreme (inputs near 1e-19
+    against output gradients near 1e19), where the products underflow while
+    the gradient does not.
+    """
+    tiny = torch.finfo(dtype).tiny
+    return 2 * tiny * (p * right_sum.square() + q * left_sum.square() + pairs * (1 + p * q * tiny))
+
+
+def summed_underflow(p: int, q: int, terms: int, dtype) -> float:
+    """What underflow can add to the norm of one example's contribution to a sum of
+    ``terms`` products of ``[p] x [q]`` outer products: ``tiny`` per entry and term."""
+    return math.sqrt(p * q) * (terms + 2) * torch.finfo(dtype).tiny
 
 
 def linear_weight_norms(
@@ -164,7 +190,8 @@ def linear_weight_norms(
     dtype = torch.promote_types(a.dtype, g.dtype)
     if form is None:
         form = "outer" if t == 1 else ("gram" if t * t < d_in * d_out else "direct")
-    s = _position_norm_sum(a, g)
+    a_norms, g_norms = position_norms(a), position_norms(g)
+    s = (a_norms * g_norms).sum(1)  # S_i, bounded above: bounds every rounding error below
     if form == "outer":
         if t != 1:
             raise ValueError(f"form='outer' needs one position per example, got {t}")
@@ -172,14 +199,16 @@ def linear_weight_norms(
     elif form == "gram":
         gram = pair_sum(torch.bmm(a, a.mT) * torch.bmm(g, g.mT))
         error = 3 * gamma(max(d_in, d_out) + 1, dtype) + gamma(t, dtype) + 2 * gamma(t * t, F64)
-        norm = (gram.clamp(min=0) + error * s.square()).sqrt()
+        lost = underflow(a_norms.sum(1), g_norms.sum(1), d_in, d_out, t * t, dtype)
+        norm = (gram.clamp(min=0) + error * s.square() + lost).sqrt()
     elif form == "direct":
         rows = position_norms(torch.bmm(g.mT, a))  # [N, d_out], each row bounded above
         norm = torch.linalg.vector_norm(rows, dim=1) * (1 + gamma(d_out + 1, F64))
-        norm = norm + gamma(t, dtype) * s
+        norm = norm + gamma(t, dtype) * s + summed_underflow(d_in, d_out, t, dtype)
     else:
         raise ValueError(f"form must be 'outer', 'gram', 'direct' or None, got form={form!r}")
-    return (norm + gamma(summed_over + 2, dtype) * s).square()
+    summed = gamma(summed_over + 2, dtype) * s + summed_underflow(d_in, d_out, summed_over, dtype)
+    return (norm + summed).square()
 
 
 def _index_norms(idx: Tensor, g: Tensor, summed_over: int) -> Tensor:
@@ -190,8 +219,10 @@ def _index_norms(idx: Tensor, g: Tensor, summed_over: int) -> Tensor:
     gram = pair_sum(torch.where(same, torch.bmm(g, g.mT), g.new_zeros(())))
     s = position_norms(g).sum(1)
     error = 2 * gamma(dim + 1, g.dtype) + gamma(t, g.dtype) + 2 * gamma(t * t, F64)
-    norm = (gram.clamp(min=0) + error * s.square()).sqrt()
-    return (norm + gamma(summed_over + 2, g.dtype) * s).square()  # the index_add, the factor
+    lost = underflow(s.new_full(s.shape, t), s, 0, dim, t * t, g.dtype)  # one-hot side exact
+    norm = (gram.clamp(min=0) + error * s.square() + lost).sqrt()
+    summed = gamma(summed_over + 2, g.dtype) * s + summed_underflow(1, dim, summed_over, g.dtype)
+    return (norm + summed).square()  # the index_add, the factor
 
 
 def _is_index(left: Tensor) -> bool:
@@ -226,20 +257,28 @@ def _sites_norms(sites: Sites, batch: int | None = None) -> Tensor:
     t = sum(f.right.shape[1] for f in forms)
     p = max(f.left.shape[-1] for f in forms if not _is_index(f.left))
     gram = torch.zeros(b, dtype=F64, device=forms[0].right.device)
-    s = torch.zeros_like(gram)
+    s, left_sum, right_sum = torch.zeros_like(gram), torch.zeros_like(gram), torch.zeros_like(gram)
     for j in forms:
         r_norms = position_norms(j.right)
-        if not _is_index(j.left):
-            r_norms = r_norms * position_norms(j.left)
+        right_sum = right_sum + r_norms.sum(1)
+        if _is_index(j.left):  # one-hot rows: norm 1, exact
+            left_sum = left_sum + j.left.shape[1]
+        else:
+            l_norms = position_norms(j.left)
+            left_sum = left_sum + l_norms.sum(1)
+            r_norms = r_norms * l_norms
         s = s + r_norms.sum(1)
         for k in forms:
             left = _left_gram(j.left, k.left).to(dtype)
             gram = gram + pair_sum(left * torch.bmm(j.right, k.right.mT))
     q = forms[0].right.shape[-1]
     error = 3 * gamma(max(p, q) + 1, dtype) + gamma(t, dtype) + 2 * gamma(t * t, F64)
-    norm = (gram.clamp(min=0) + error * s.square()).sqrt()
+    lost = underflow(left_sum, right_sum, p, q, t * t, dtype)
+    norm = (gram.clamp(min=0) + error * s.square() + lost).sqrt()
     # the sum: every position of the batch, one addition per site, the clip factor
-    return (norm + gamma(rows * t + len(forms) + 2, dtype) * s).square()
+    terms = rows * t + len(forms)
+    summed = gamma(terms + 2, dtype) * s + summed_underflow(p, q, terms, dtype)
+    return (norm + summed).square()
 
 
 def form_norms(form: Outer | Sites | Tensor, batch: int | None = None) -> Tensor:

@@ -117,15 +117,23 @@ class GhostClipper:
         self.plans: dict[Any, GhostPlan] = {}
         self.warned = False
 
-    def plan(self, params: Params, batch: PyTree) -> GhostPlan:
-        """The plan for this batch structure (computed once; a constant under compile)."""
+    def plan(self, params: Params, batch: PyTree, rows: int | None = None) -> GhostPlan:
+        """The plan for this batch structure (computed once; a constant under compile).
+
+        ``rows``: the physical (padded) rows of the micro-batch ``batch`` was taken from,
+        which eager ``method="auto"``'s cost model reads (``None``: ``batch``'s own rows).
+        A step that leaves padding rows out passes it: the count of real examples is
+        private and must not choose the path.
+        """
         check_devices(params, batch)  # before the analysis pass, which would fail on it
         leaves: list = []
         try:
             skeleton = _skeleton(batch, leaves)
         except TypeError as error:
-            return _plan_for(self, ("unsupported", str(error)), tuple(params))
-        return _plan_for(self, skeleton, tuple(params), *params.values(), *leaves)
+            return _plan_for(self, ("unsupported", str(error)), tuple(params), None)
+        if torch.compiler.is_compiling():
+            rows = None  # the compiled plan does not read it (no cost model, no timing)
+        return _plan_for(self, skeleton, tuple(params), rows, *params.values(), *leaves)
 
 
 def _assume_constant_result(fn):
@@ -143,7 +151,7 @@ def _assume_constant_result(fn):
 
 
 @_assume_constant_result
-def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
+def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPlan:
     # Runs eagerly, also when the step is being compiled: Dynamo calls it with the
     # real tensors and bakes the returned plan into the graph as a constant. The
     # cache key is computed here, from those real tensors, because under automatic
@@ -183,7 +191,7 @@ def _plan_for(clipper: GhostClipper, skeleton, names, *tensors) -> GhostPlan:
             plan = _all_vmap(names, f"the analysis pass failed: {type(error).__name__}: {error}")
         if timed and plan.modules:
             params = dict(zip(names, params))
-            plan = _faster_of(clipper, plan, params, _rebuild(skeleton, iter(leaves)))
+            plan = _faster_of(clipper, plan, params, _rebuild(skeleton, iter(leaves)), rows)
     clipper.plans[key] = plan
     if plan.reasons and not clipper.warned:
         clipper.warned = True
@@ -207,7 +215,9 @@ def _all_vmap(names, why: str) -> GhostPlan:
     return GhostPlan((), (why,), tuple((n, f"vmap: {why}") for n in names))
 
 
-def _faster_of(clipper: GhostClipper, plan: GhostPlan, params: Params, batch) -> GhostPlan:
+def _faster_of(
+    clipper: GhostClipper, plan: GhostPlan, params: Params, batch, rows: int | None = None
+) -> GhostPlan:
     """``method="auto"`` eagerly: ``plan``, or plain vmap; the cost model first, then timings.
 
     The cost model (:func:`_cost_model`, shapes only: public) decides where it
@@ -221,10 +231,10 @@ def _faster_of(clipper: GhostClipper, plan: GhostPlan, params: Params, batch) ->
     cost models: their times differ from eager ones. The global RNG state is
     restored, so the timing leaves dropout draws as they were.
     """
-    decided = _cost_model(clipper, plan, params, _torch_tree_leaves(batch)[0].shape[0])
+    size = _torch_tree_leaves(batch)[0].shape[0]
+    decided = _cost_model(clipper, plan, params, size if rows is None else rows)
     if decided is not None:
         return decided
-    size = _torch_tree_leaves(batch)[0].shape[0]
     device = next(iter(params.values())).device
     mask = torch.ones(size, dtype=torch.bool, device=device)
     policy = ClippingPolicy("flat")
