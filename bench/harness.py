@@ -239,6 +239,7 @@ METHODS = {
     "dpfunc_vmap": lambda m, x, y: dpfunc_step(m, x, y, "vmap"),
     "dpfunc_vmap_compiled": lambda m, x, y: dpfunc_step(m, x, y, "vmap", compile=True),
     "dpfunc_ghost": lambda m, x, y: dpfunc_step(m, x, y, "auto"),
+    "dpfunc_ghost_only": lambda m, x, y: dpfunc_step(m, x, y, "ghost"),
     "dpfunc_ghost_compiled": lambda m, x, y: dpfunc_step(m, x, y, "auto", compile=True),
     **{f"opacus_{m}": (lambda model, x, y, m=m: opacus(model, x, y, m)) for m in OPACUS_MODES},
 }
@@ -428,6 +429,35 @@ def header(results: dict, title: str) -> list[str]:
         lines += ["**Quick mode: compiled methods skipped (torch.compile takes 10-30 s per "
                   "graph on this machine); run without --quick for them.**", ""]  # fmt: skip
     return lines
+
+
+AUTO_SLACK = 1.10  # eager method="auto" at most this over the faster of "ghost" and "vmap"
+
+
+def auto_table(results: dict) -> list[str]:
+    """Eager ``method="auto"`` (``dpfunc_ghost``) against the faster of the two paths it
+    chooses between, ``dpfunc_ghost_only`` (method "ghost") and ``dpfunc_vmap``, by median."""
+    lines = [
+        "## method='auto' against the faster path (eager)",
+        "",
+        f'Target: `dpfunc_ghost` (method "auto") at most {AUTO_SLACK:g}x the faster of '
+        '`dpfunc_ghost_only` (method "ghost") and `dpfunc_vmap`, by median ms.',
+        "",
+        "| workload | auto ms | ghost ms | vmap ms | auto / faster (target) | met |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for name, info in results["workloads"].items():
+        m = info["methods"]
+        auto, ghost, plain = (m.get(k, {}).get("median_ms") for k in
+                              ("dpfunc_ghost", "dpfunc_ghost_only", "dpfunc_vmap"))  # fmt: skip
+        if auto is None or (ghost is None and plain is None):
+            continue
+        ratio = auto / min(v for v in (ghost, plain) if v is not None)
+        met = "yes" if ratio <= AUTO_SLACK else "**no**"
+        row = [name, fmt(auto, ".2f"), fmt(ghost, ".2f"), fmt(plain, ".2f"),
+               f"{ratio:.2f}x (<= {AUTO_SLACK:g}x)", met]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
 
 
 def workload_tables(results: dict) -> list[str]:

@@ -31,7 +31,9 @@ bench/harness.py's builders (same names) with a forward that calls the model on
 ``(input_ids, attention_mask)`` and the workload's loss: ``nonprivate`` (eager PyTorch,
 mean loss, SGD), ``dpfunc_ghost`` (dpfunc's default step, ``make_train_step(...,
 model=model)``, method "auto"), ``dpfunc_vmap`` (method "vmap"), each eager and under
-``torch.compile(fullgraph=True)``, and Opacus 1.6 in ``hooks`` and ``ghost`` mode.
+``torch.compile(fullgraph=True)`` as dpfunc compiles (``dpfunc.compiling.compile_fullgraph``),
+``dpfunc_ghost_only`` (method "ghost", eager: with ``dpfunc_vmap``, what "auto" chooses
+between), and Opacus 1.6 in ``hooks`` and ``ghost`` mode.
 Out of the box Opacus fails on BERT and the fully trained GPT-2: the position ids (and
 BERT's token type ids) that the models build for themselves have batch size 1, so the
 per-sample gradients of those embeddings come out with 1 row. ``opacus_hooks_ids`` and
@@ -247,6 +249,7 @@ def builders(criterion, explicit_ids=logits_explicit_ids, forward=logits) -> dic
         "dpfunc_vmap_compiled": dp("vmap", compile=True),
         "dpfunc_ghost": dp("auto"),
         "dpfunc_ghost_compiled": dp("auto", compile=True),
+        "dpfunc_ghost_only": dp("ghost"),
         "opacus_hooks": opacus("hooks"),
         "opacus_ghost": opacus("ghost"),
         "opacus_hooks_ids": opacus("hooks", explicit_ids),
@@ -407,7 +410,8 @@ def markdown(results: dict) -> str:
         "2-5 minutes on 2 CPU cores.",
         "",
     ]
-    lines += targets_table(results) + [""] + notes(results) + harness.workload_tables(results)
+    lines += targets_table(results) + [""] + notes(results) + harness.auto_table(results)
+    lines += harness.workload_tables(results)
     return "\n".join(lines)
 
 

@@ -127,7 +127,7 @@ def markdown(results: dict) -> str:
     lines = harness.header(results, "dpfunc step benchmark") + targets_table(results) + [""]
     if ANALYSIS.exists():
         lines += [ANALYSIS.read_text().strip(), ""]
-    return "\n".join(lines + harness.workload_tables(results))
+    return "\n".join(lines + harness.auto_table(results) + harness.workload_tables(results))
 
 
 def main():
