@@ -95,3 +95,27 @@ def test_a_steps_compile_compiles_each_piece_the_dpfunc_way(monkeypatch):
     ).compile()  # fmt: skip
     assert [fn.__name__ for fn in wrapped] == ["accumulate", "apply_reduced", "private_gradient"]
     assert step._accumulate is wrapped[0]
+
+
+def test_a_float64_scalar_argument_traces_once_and_reaches_fn_as_passed(monkeypatch):
+    # Dynamo gives a 0-d float64 CPU input a symbolic float; a graph that passes it through
+    # unread (a train state's clip norm without adaptive clipping) is then traced twice (the
+    # symbol is specialised in AOTAutograd's pass, so the eager backend would not show it)
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="aot_eager", **kw))
+    seen = []
+
+    def step(state, x):
+        seen.append(tuple(state["clip_norm"].shape))  # at trace time
+        return {"clip_norm": state["clip_norm"], "w": state["w"] * x}, (x * 2).sum()
+
+    state = {"clip_norm": torch.tensor(1.5, dtype=torch.float64), "w": torch.ones(3)}
+    metrics = torch._dynamo.utils.compilation_time_metrics
+    metrics.clear()
+    out, total = compile_fullgraph(step)(state, torch.arange(3.0))
+    assert not [k for k in metrics if k.startswith("compile_attempt_") and k != "compile_attempt_0"]
+    assert seen and set(seen) == {()}  # fn sees the tensor 0-d, as passed
+    assert out["clip_norm"].shape == () and out["clip_norm"].dtype == torch.float64
+    assert out["clip_norm"].item() == 1.5 and total.item() == 6.0
+    torch.testing.assert_close(out["w"], torch.arange(3.0))
+    torch._dynamo.reset()
