@@ -49,6 +49,7 @@ from . import (  # registers the rules
     attention,
     convolution,
     embedding,
+    embedding_bag,
     linear,
     normalization,
     recurrent,
