@@ -123,6 +123,22 @@ def test_ghost_clipped_sum_equals_a_float64_loop(kind, mode, weighted, padding):
     assert_matches(got, stats, want, want_norms)
 
 
+@pytest.mark.parametrize("kind, padding", [("2d", True), ("offsets", True), ("one_bag", False)])
+def test_max_mode_sends_each_coordinate_to_the_first_maximum_as_torch_does(kind, padding):
+    torch.manual_seed(4)
+    model = Model(CALLS[kind], mode="max", padding_idx=0 if padding else None)
+    with torch.no_grad():  # ties between different rows: 5 equals 4, 6 equals 4 in one coordinate
+        model.bag.weight[5] = model.bag.weight[4]
+        model.bag.weight[6, 1] = model.bag.weight[4, 1]
+    batch = batch_for(kind, False, padding)
+    flat = batch["idx"].reshape(B, 8)
+    flat[:, 2], flat[:, 4], flat[:, 5], flat[:, 7] = 5, 6, 4, 4  # ties in both orders
+    batch["idx"] = flat.reshape(batch["idx"].shape)
+    plan, got, stats, want, want_norms = ghost_clip(model, batch)
+    assert [m.path for m in plan.modules] == ["bag", "head"] and not plan.reasons
+    assert_matches(got, stats, want, want_norms)
+
+
 def test_include_last_offset_and_offsets_by_keyword():
     torch.manual_seed(1)
     call = lambda bag, ex: bag(input=ex["idx"], offsets=ex["offsets"])  # noqa: E731
@@ -136,7 +152,6 @@ def test_include_last_offset_and_offsets_by_keyword():
 @pytest.mark.parametrize(
     "kw, why",
     [
-        (dict(mode="max"), "max mode has no ghost rule"),
         (dict(scale_grad_by_freq=True), "scale_grad_by_freq has no ghost rule"),
     ],
 )

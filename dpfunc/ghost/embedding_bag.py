@@ -22,12 +22,18 @@ bags; ``x.unsqueeze(0)`` for one bag), or a 1-D input with ``offsets``
 ``[B, N]`` and ``[B, bags]`` by padding every example to the same number of
 indices and bags.
 
-Covered: ``sum`` (with or without ``per_sample_weights``) and ``mean``,
-``padding_idx`` (those positions are left out of the bag, of its size and of
-the gradient, as torch does), empty bags (a zero row). Left to per-example
-gradients, with the reason: ``max`` mode, ``max_norm`` (renormalises the
-weight in place), ``scale_grad_by_freq``, ``sparse=True``, a module called
-more than once per example.
+``max`` mode sends each coordinate ``j`` of a bag's gradient to the row of
+the first position attaining the maximum, as torch's kernels do (ties between
+rows included): ``right[t, j] = G_i[b, j]`` where ``t`` is that position, 0
+elsewhere, the same index-row form, exact.
+
+Covered: ``sum`` (with or without ``per_sample_weights``), ``mean`` and
+``max``, ``padding_idx`` (those positions are left out of the bag, of its
+size and of the gradient, as torch does), empty bags (a zero row). Left to
+per-example gradients, with the reason: ``max_norm`` (renormalises the weight
+in place), ``scale_grad_by_freq``, ``sparse=True``, a module called more than
+once per example. The ``max`` forward holds a ``[bags, N, dim]`` mask per
+example (N: the indices of the call), so it suits few bags per call.
 """
 
 from __future__ import annotations
@@ -89,13 +95,29 @@ def positions(module: nn.EmbeddingBag, idx: Tensor, offsets, weights) -> tuple:
     return idx, bag, member, coef
 
 
+def _max(member: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """``(out [bags, dim], first [bags, N, dim])``: each bag's coordinate-wise maximum (0 for
+    an empty bag) and, per coordinate, the first member position that attains it, the row
+    torch's kernels (CPU and CUDA) send that coordinate's gradient to."""
+    inside = member[:, :, None]
+    values = torch.where(inside, rows[None], float("-inf"))
+    out = values.amax(1)
+    hit = inside & (values == out[:, None, :])
+    first = hit & (hit.cumsum(1) == 1)
+    return torch.where(member.any(1, keepdim=True), out, 0.0), first
+
+
 def run(module: nn.EmbeddingBag, probes: dict, record: dict, input, offsets=None,
         per_sample_weights=None):  # fmt: skip
     """The module's forward for one example, with a probe on its output; ``record`` gets
-    each position's index, bag and scale (the coefficient of its row in its bag)."""
-    idx, bag, _, coef = positions(module, input, offsets, per_sample_weights)
+    each position's index and bag and its coefficient in its bag (``max``: the first
+    position attaining each coordinate's maximum)."""
+    idx, bag, member, coef = positions(module, input, offsets, per_sample_weights)
     rows = F.embedding(idx, module.weight)  # [N, dim]
     record["idx"] = idx
+    if module.mode == "max":
+        out, record["first"] = _max(member, rows)
+        return out + probes["out"]
     record["bag"] = bag.clamp(min=0)
     record["scale"] = coef.sum(0)  # a position is in one bag at most
     return coef @ rows + probes["out"]
@@ -103,17 +125,15 @@ def run(module: nn.EmbeddingBag, probes: dict, record: dict, input, offsets=None
 
 def embedding_bag(module: nn.EmbeddingBag, inputs: dict, grads: dict, weights: dict) -> dict:
     g = grads["out"]  # [B, bags, dim]
+    if "first" in inputs:  # max: one (bag, position) term per coordinate, the rest exact zeros
+        right = (inputs["first"].to(g.dtype) * g[:, :, None, :]).sum(1)
+        return {"weight": Outer(inputs["idx"], right)}
     bag = inputs["bag"][..., None].expand(-1, -1, g.shape[-1])
     right = torch.gather(g, 1, bag) * inputs["scale"][..., None].to(g.dtype)  # [B, N, dim]
     return {"weight": Outer(inputs["idx"], right)}
 
 
 def check(module: nn.EmbeddingBag, idx, output) -> str:
-    if module.mode == "max":
-        return (
-            "EmbeddingBag in max mode has no ghost rule (each coordinate's gradient goes to "
-            "its arg-max row)"
-        )
     if module.max_norm is not None:
         return "EmbeddingBag with max_norm renormalises its weight in place"
     if module.scale_grad_by_freq:
