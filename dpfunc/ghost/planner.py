@@ -211,7 +211,8 @@ def analyse(
             shapes = tuple(
                 tuple(rule.probe_shapes(module, c.args, c.kwargs).items()) for c in calls
             )
-            dtype = calls[0].output[0].dtype
+            out = calls[0].output  # a tuple (MultiheadAttention, recurrent) or a tensor
+            dtype = (out[0] if isinstance(out, tuple) else out).dtype
         else:
             shapes = tuple(tuple(c.output.shape) for c in calls)
             dtype = calls[0].output.dtype
