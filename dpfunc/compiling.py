@@ -29,6 +29,13 @@ through), torch 2.13 specialises the symbol at the end of tracing and traces
 the whole function again: 25 s of the 103 s first call of a tiny BERT's
 compiled step, 7 s of the MLP's 32 s. A 1-d tensor gets no such symbol. The
 values, the aliasing and the results are the same.
+
+A user who compiles a step with recurrent layers themselves
+(``torch.compile(step, fullgraph=True)``) without ``allow_rnn`` gets, from
+:func:`check_allow_rnn` in the traced step, a message that names the layers
+and the setting, instead of Dynamo's own refusal. Dynamo reports an
+exception raised in traced code as its ``Unsupported`` error ("Observed
+exception"), with this message in its text and the raising line.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["compile_fullgraph", "dynamo_settings"]
+__all__ = ["check_allow_rnn", "compile_fullgraph", "dynamo_settings", "recurrent_paths"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -55,6 +62,39 @@ def dynamo_settings() -> dict[str, Any]:
     methods = {getattr(logging.Logger, name, None) for name in QUIET_LOGGER_METHODS}
     methods.discard(None)
     return {"allow_rnn": True, "ignore_logger_methods": methods}
+
+
+def recurrent_paths(model: torch.nn.Module | None) -> tuple[str, ...]:
+    """The paths of ``model``'s recurrent modules (``nn.RNN``, ``nn.GRU``, ``nn.LSTM``).
+
+    ``()`` for ``model=None`` or a model without any; the root is ``""``.
+    """
+    if model is None:
+        return ()
+    return tuple(name for name, m in model.named_modules() if isinstance(m, torch.nn.RNNBase))
+
+
+def check_allow_rnn(paths: tuple[str, ...]) -> None:
+    """Raises while Dynamo traces recurrent layers that it would refuse.
+
+    Args:
+        paths: the recurrent modules' paths (:func:`recurrent_paths`).
+
+    Raises:
+        RuntimeError: ``paths`` is not empty, this runs inside
+            ``torch.compile`` and ``torch._dynamo.config.allow_rnn`` is off.
+            The message names the layers and the two ways out. Eagerly, and
+            under :func:`compile_fullgraph`, it returns.
+    """
+    if paths and torch.compiler.is_compiling() and not torch._dynamo.config.allow_rnn:
+        named = ", ".join(repr(p) for p in paths)
+        raise RuntimeError(
+            f"the model's recurrent layers ({named}) compile only with Dynamo's RNN support, "
+            "off in this torch.compile call: compile the step with "
+            "dpfunc.compiling.compile_fullgraph(step) (or step.compile(), or "
+            "Trainer(compile=True)), which turn it on for their calls only, or set "
+            "torch._dynamo.config.allow_rnn = True before torch.compile(step, fullgraph=True)"
+        )
 
 
 def _float64_scalar(x: Any) -> bool:

@@ -60,7 +60,7 @@ from .clipping import (
     rounding_scope,
     unclipped_count,
 )
-from .compiling import compile_fullgraph
+from .compiling import check_allow_rnn, compile_fullgraph, recurrent_paths
 from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPING_MODES: kept importable here)
 from .ghost import GhostClipper, ghost_clip
 from .memory import check_memory_budget
@@ -303,6 +303,7 @@ class TrainStep:
         )
         self._accumulate, self._apply_reduced = self.accumulate, self.apply_reduced
         self._private_gradient = self.private_gradient
+        self._recurrent = recurrent_paths(model)  # checked when Dynamo traces the step
 
     # the settings the mechanisms were built with: read-only, since changing one here
     # would not change the mechanism (build another step from another config)
@@ -431,6 +432,7 @@ class TrainStep:
                 f"mask must have shape ({size},) to match the batch, got {tuple(mask.shape)}"
             )
         mask = mask.to(torch.bool)
+        check_allow_rnn(self._recurrent)  # a user's torch.compile without allow_rnn
         check_devices(params, batch)  # before the mask is read on the batch's device
         if skip_padding and size and not torch.compiler.is_compiling() and not bool(mask.all()):
             return self._clip_real_rows(params, batch, mask, clip)
