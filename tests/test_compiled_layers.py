@@ -69,6 +69,17 @@ class Recurrent(nn.Module):
         return out, state
 
 
+class WeightedBag(nn.Module):
+    """``nn.EmbeddingBag`` in sum mode with per-sample weights (one bag per example)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 3, mode="sum")
+
+    def forward(self, x, w):
+        return self.bag(x, per_sample_weights=w)
+
+
 def randn(*shape):
     return lambda g: (torch.randn(B, *shape, generator=g),)
 
@@ -136,6 +147,18 @@ CASES = [
     ),  # fmt: skip
     Case("embedding", lambda: nn.Embedding(10, 3), tokens),
     Case("embedding_padding_idx", lambda: nn.Embedding(10, 4, padding_idx=0), tokens),
+    Case("embedding_bag_sum", lambda: nn.EmbeddingBag(10, 3, mode="sum"), tokens),
+    Case(
+        "embedding_bag_mean_padding_idx",
+        lambda: nn.EmbeddingBag(10, 4, mode="mean", padding_idx=0),
+        tokens,
+    ),  # fmt: skip
+    Case("embedding_bag_max", lambda: nn.EmbeddingBag(10, 3, mode="max"), tokens),
+    Case(
+        "embedding_bag_weighted",
+        WeightedBag,
+        lambda g: (tokens(g)[0], torch.rand(B, 5, generator=g)),
+    ),  # fmt: skip
     Case("layernorm", lambda: nn.LayerNorm(6), randn(3, 6)),
     Case("layernorm_no_bias", lambda: nn.LayerNorm((2, 3), bias=False), randn(4, 2, 3)),
     Case("rmsnorm", lambda: nn.RMSNorm(6), randn(3, 6)),
