@@ -32,6 +32,25 @@ class TiedLanguageModel(nn.Module):
 
 
 @pytest.fixture
+def auto_timings(monkeypatch):
+    """A list that grows by one for every clock read of eager ``method="auto"``'s timing
+    (empty: the cost model decided untimed); the clock itself is real."""
+    from dpfunc.ghost import clipper
+
+    calls = []
+    real = clipper.time.perf_counter
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            calls.append(1)
+            return real()
+
+    monkeypatch.setattr(clipper, "time", Clock)
+    return calls
+
+
+@pytest.fixture
 def tied_language_model():
     """A fresh ``TiedLanguageModel`` (7 tokens, width 4), initialised after ``_seed``."""
     return TiedLanguageModel()

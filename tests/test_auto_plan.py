@@ -30,19 +30,10 @@ def _problem(width: int, dense: bool = False):
 
 
 @pytest.mark.parametrize("threshold, timed", [(10**9, False), (0, True)])
-def test_auto_keeps_vmap_untimed_for_small_gradients(monkeypatch, threshold, timed):
+def test_auto_keeps_vmap_untimed_for_small_gradients(monkeypatch, auto_timings, threshold, timed):
     model, params, loss_fn = _problem(8)
     monkeypatch.setattr(clipper_module, "SMALL_GRADIENTS", threshold)
-    calls = []
-    real = clipper_module.time.perf_counter
-
-    class Clock:
-        @staticmethod
-        def perf_counter():
-            calls.append(1)
-            return real()
-
-    monkeypatch.setattr(clipper_module, "time", Clock)
+    calls = auto_timings
     plan = GhostClipper(model, loss_fn, "auto").plan(params, torch.randn(16, 8))
     assert bool(calls) == timed
     if not timed:
@@ -137,18 +128,10 @@ def test_auto_times_alternately_and_compares_the_minima(monkeypatch, ghost, vmap
     remove_hooks(model)
 
 
-def test_auto_ghosts_dense_linear_models_untimed(monkeypatch):
+def test_auto_ghosts_dense_linear_models_untimed(monkeypatch, auto_timings):
     """Linear layers with one position per example, over SMALL_GRADIENTS: ghost, untimed."""
     model, params, loss_fn = _problem(8, dense=True)
-    calls = []
-
-    class Clock:
-        @staticmethod
-        def perf_counter():
-            calls.append(1)
-            return 0.0
-
-    monkeypatch.setattr(clipper_module, "time", Clock)
+    calls = auto_timings
     entries = 16 * sum(p.numel() for p in params.values())
     monkeypatch.setattr(clipper_module, "SMALL_GRADIENTS", entries - 1)
     plan = GhostClipper(model, loss_fn, "auto").plan(params, torch.randn(16, 8))

@@ -157,22 +157,8 @@ def test_an_explicit_chunk_size_wins_and_is_warned_about_over_the_budget():
         assert _step(loss_fn, chunk_size=5).chunk_for(params, ROWS) == 5
 
 
-def _clock(monkeypatch):
-    calls = []
-    real = clipper_module.time.perf_counter
-
-    class Clock:
-        @staticmethod
-        def perf_counter():
-            calls.append(1)
-            return real()
-
-    monkeypatch.setattr(clipper_module, "time", Clock)
-    return calls
-
-
 @pytest.mark.parametrize("fits", [False, True])
-def test_auto_ghosts_untimed_where_vmap_would_exceed_the_budget(monkeypatch, fits):
+def test_auto_ghosts_untimed_where_vmap_would_exceed_the_budget(monkeypatch, auto_timings, fits):
     """A LayerNorm keeps the model off the cost model's dense case; the small-gradient case is
     turned off, so without the budget's case the choice would be timed."""
     torch.manual_seed(0)
@@ -183,7 +169,7 @@ def test_auto_ghosts_untimed_where_vmap_would_exceed_the_budget(monkeypatch, fit
         return functional_call(model, (p, buffers), (x[None],)).square().sum()
 
     monkeypatch.setattr(clipper_module, "SMALL_GRADIENTS", 0)
-    calls = _clock(monkeypatch)
+    calls = auto_timings
     entries = memory.gradient_entries(params)
     need = ROWS * entries * 4 * memory.GRADIENT_COPIES  # float32
     step = _step(loss_fn, model=model, memory_budget=need if fits else need - 1)

@@ -71,6 +71,7 @@ __all__ = [
     "attention",
     "convolution",
     "embedding",
+    "embedding_bag",
     "ghost_clip",
     "install_hooks",
     "linear",

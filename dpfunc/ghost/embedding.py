@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .registry import Outer, register_rule
+from .registry import Outer, register_rule, torch_class
 
 
 def embedding(module: nn.Embedding, idx: Tensor, g: Tensor, weights: dict) -> dict:
@@ -20,25 +20,28 @@ def embedding(module: nn.Embedding, idx: Tensor, g: Tensor, weights: dict) -> di
     return {"weight": Outer(idx, g)}
 
 
-def check(module: nn.Embedding, idx: Tensor, output: Tensor) -> str:
+def check(module: nn.Embedding | nn.EmbeddingBag, idx: Tensor, output) -> str:
+    """Why a call cannot be ghosted (``""`` when it can); ``nn.EmbeddingBag`` shares it."""
+    name = torch_class(type(module)).__name__  # a ghosted EmbeddingBag is a dpfunc subclass
     if module.max_norm is not None:
-        return "Embedding with max_norm renormalises its weight in place"
+        return f"{name} with max_norm renormalises its weight in place"
     if module.scale_grad_by_freq:
-        return "Embedding with scale_grad_by_freq has no ghost rule"
+        return f"{name} with scale_grad_by_freq has no ghost rule"
     if module.sparse:
-        return "sparse Embedding has no ghost rule"
-    if idx.is_floating_point() or idx.is_complex():
+        return f"sparse {name} has no ghost rule"
+    if not isinstance(idx, Tensor) or idx.is_floating_point() or idx.is_complex():
         return "input is not an integer tensor"
     return ""
 
 
-def cheaper(module: nn.Embedding, idx: Tensor, output: Tensor) -> bool:
+def cheaper(module: nn.Embedding | nn.EmbeddingBag, idx: Tensor, output) -> bool:
     """The Gram form costs ``T^2 * dim`` multiply-adds against about three passes over
     the ``num_embeddings x dim`` gradient (write, norm, weighted sum), and a float moved
     through memory costs several multiply-adds on a CPU: ghost when ``T^2 < 16 *
     num_embeddings``. (With 1000 rows, ghosting was faster and leaner at ``T = 32`` and
     ``T = 64``: 24 against 29 ms and 53 against 120 MB for the LSTM benchmark step, 52
-    against 59 ms for the transformer one, eager.)"""
+    against 59 ms for the transformer one, eager.) ``nn.EmbeddingBag`` shares it, ``T``
+    counting the positions of every bag."""
     return idx.numel() ** 2 < 16 * module.num_embeddings
 
 

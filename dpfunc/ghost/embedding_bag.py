@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import embedding
 from .registry import Outer, Rule, register_unrolled
 
 
@@ -134,26 +135,15 @@ def embedding_bag(module: nn.EmbeddingBag, inputs: dict, grads: dict, weights: d
 
 
 def check(module: nn.EmbeddingBag, idx, output) -> str:
-    if module.max_norm is not None:
-        return "EmbeddingBag with max_norm renormalises its weight in place"
-    if module.scale_grad_by_freq:
-        return "EmbeddingBag with scale_grad_by_freq has no ghost rule"
-    if module.sparse:
-        return "sparse EmbeddingBag has no ghost rule"
-    if not isinstance(idx, Tensor) or idx.is_floating_point() or idx.is_complex():
-        return "input is not an integer tensor"
+    why = embedding.check(module, idx, output)  # max_norm, scale_grad_by_freq, sparse, dtype
+    if why:
+        return why
     if idx.dim() not in (1, 2):
         return f"input has {idx.dim()} dimensions per example (EmbeddingBag takes 1 or 2)"
     return ""
 
 
-def cheaper(module: nn.EmbeddingBag, idx, output) -> bool:
-    """As for ``nn.Embedding`` (:func:`dpfunc.ghost.embedding.cheaper`), over the
-    positions of every bag: ghost when ``N^2 < 16 * num_embeddings``."""
-    return idx.numel() ** 2 < 16 * module.num_embeddings
-
-
 register_unrolled(
     nn.EmbeddingBag,
-    Rule(embedding_bag, check=check, cheaper=cheaper, run=run, probe_shapes=probe_shapes),
+    Rule(embedding_bag, check=check, cheaper=embedding.cheaper, run=run, probe_shapes=probe_shapes),
 )
