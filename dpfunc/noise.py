@@ -23,19 +23,26 @@ matters.
 
 Two draws, both deterministic in ``(seed, step)``:
 
-* the default: torch's generator from :func:`keyed_generator`, in each
-  leaf's dtype. On the CPU its whole Mersenne Twister state (19,968 bits)
-  comes from ``SHAKE-256(seed, step)``; ``manual_seed`` would keep only 32
-  bits of any seed, so each step's noise would be one of ``2**32`` trees,
-  few enough for someone who sees an update to try them all and subtract
-  the right one. On CUDA, Philox takes a 64-bit key from the same hash.
+* the default: torch's generators from :func:`keyed_generator`, in each
+  leaf's dtype, one per block of :data:`NOISE_BLOCK` values of a leaf. On
+  the CPU a generator's whole Mersenne Twister state (19,968 bits) comes
+  from ``SHAKE-256(seed, step, leaf, block)``; ``manual_seed`` would keep
+  only 32 bits of any seed, so each block's noise would be one of ``2**32``
+  draws, few enough for someone who sees an update to try them all and
+  subtract the right one. On CUDA, Philox takes a 64-bit key from the same hash.
   Fast and statistically sound, but not a cryptographic generator, and its
   float samples are exposed to the floating-point attack below.
 * ``secure=True``: a ChaCha20 keystream (Bernstein 2008, through the
   ``cryptography`` package) keyed by ``SHA-256(seed, step)``; one 64-bit
   keystream word per uniform, on the grid ``(k + 1/2) * 2**-52`` of the open
-  interval (0, 1), and Box-Muller in float64. The fixed all-zero nonce is
-  safe because every step has its own key, so no (key, nonce) pair repeats.
+  interval (0, 1), and Box-Muller in float64. Every step has its own key,
+  and each block of a leaf its own nonce (leaf index, block index), so no
+  (key, nonce) pair repeats.
+
+Both draws have random access: blocks are keyed apart, so a rank that holds
+some rows of a parameter (sharded training) draws only the blocks that hold
+them and gets exactly those rows of the single-process draw
+(:func:`standard_normal_like`, ``rows``).
 
 **The floating-point attack** (Mironov 2012, for Laplace noise; Holohan and
 Braghin 2021, "Secure Random Sampling in Differential Privacy", for the
@@ -52,7 +59,7 @@ rounding interval: the release is a rounding, i.e. a post-processing, of the
 continuous Gaussian mechanism, and its low bits carry nothing about the
 clipped sum. For float64 parameters no finer type exists; each value is then
 the sum of four independent normals from four different Box-Muller pairs
-(so four radii; a leaf of one value has only two pairs) divided by two, Holohan and
+(so four radii; a block of one value has only two pairs) divided by two, Holohan and
 Braghin's summation (also what Opacus' former secure mode did), which makes
 the output set far denser but does not provably close the leak.
 
@@ -72,8 +79,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -81,7 +89,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_choice, check_number
-from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_map, tree_normal_like
+from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_map, tree_structure
 
 SECRET_BITS = 256
 
@@ -124,17 +132,47 @@ STREAMS = ("noise", "count")
 """Independent streams of one seed: the gradient noise, adaptive clipping's count noise."""
 
 
+NOISE_BLOCK = 2**18
+"""Values per block of a leaf's noise; each block is drawn from its own key.
+
+Leaf ``i`` (optree leaf order) of shape ``S``, flattened row-major, is cut
+into blocks of ``NOISE_BLOCK`` values: block ``k`` holds values
+``[k * NOISE_BLOCK, min((k + 1) * NOISE_BLOCK, numel))``. A block's values
+depend only on ``(seed, step, stream, i, k)``, its length and (default draw)
+its dtype, so any range of rows is drawn without drawing what comes before
+it (:func:`standard_normal_like` with ``rows``). ``2**18`` keeps the keying
+of a block (about 12 us on a CPU) near 2% of its draw (``torch.randn`` of
+``2**18`` values: about 650 us on one thread).
+"""
+
+
 def standard_normal_like(
-    params: PyTree, seed: int, step: int, *, secure: bool = False, stream: str = "noise"
+    params: PyTree,
+    seed: int,
+    step: int,
+    *,
+    secure: bool = False,
+    stream: str = "noise",
+    rows: Sequence[Any] | None = None,
 ) -> PyTree:
     """Independent ``N(0, 1)`` draws shaped like ``params``, fixed by ``(seed, step)``.
 
-    Leaves are drawn in optree's leaf order (dict keys sorted), each on its
-    leaf's device, so the tree does not depend on dict insertion order. The
-    same ``(seed, step, secure)`` always gives the same tree; distinct
-    ``(seed, step)`` pairs give independent streams (the key is a SHA-256
-    hash of both, domain-separated from the Poisson sample's). ``seed`` is
-    the run's secret (:func:`secret_seed`); any size of int is hashed whole.
+    Each leaf is drawn on its own device, in blocks of :data:`NOISE_BLOCK`
+    values, each block from its own key: leaf ``i`` (optree's leaf order,
+    dict keys sorted, so the tree does not depend on dict insertion order),
+    flattened row-major, has block ``k`` = values ``[k * NOISE_BLOCK,
+    min((k + 1) * NOISE_BLOCK, numel))``. The same ``(seed, step, secure)``
+    always gives the same tree; distinct ``(seed, step)`` pairs give
+    independent streams (the key is a SHA-256 hash of both, domain-separated
+    from the Poisson sample's), and so do distinct ``(leaf, block)`` pairs.
+    ``seed`` is the run's secret (:func:`secret_seed`); any size of int is
+    hashed whole. A leaf's values depend on its position in leaf order and on
+    its shape, not on the other leaves.
+
+    Random access (``rows``): a rank that holds rows ``[start, stop)`` of a
+    parameter (sharded training) draws exactly ``full[start:stop]`` of the
+    draw ``full`` that a single process makes for the whole parameter, bit
+    for bit, and draws only the blocks that overlap its rows.
 
     Args:
         params: the tree to match (shapes, devices; dtypes unless ``secure``).
@@ -142,26 +180,41 @@ def standard_normal_like(
         step: a non-negative int, the step count.
         secure: draw from ChaCha20 with the floating-point defences of the
             module docstring. The stream: key
-            ``SHA-256("dpfunc.secure-{stream}:{seed}:{step}")``, nonce 16 zero
-            bytes, the keystream read as little-endian 64-bit words and used
-            leaf after leaf in leaf order. A leaf of ``n`` values takes
+            ``SHA-256("dpfunc.secure-{stream}:{seed}:{step}")``; block ``k``
+            of leaf ``i`` is the keystream of the 16-byte nonce of
+            ``cryptography``'s ChaCha20 (a 4-byte little-endian block counter,
+            then RFC 7539's 12-byte nonce) ``counter 0 | i (4 bytes LE) |
+            k (8 bytes LE)``, so no (key, nonce) pair repeats; it is read as
+            little-endian 64-bit words. A block of ``n`` values takes
             ``n + n % 2`` words (``4 n`` for a float64 leaf): the first half
             are the ``u1`` and the second half the ``u2`` of Box-Muller,
             which gives the sine normals then the cosine normals, and an
             odd ``n`` drops the last one. The leaves are float64 whatever
             the parameters' dtype, so that :func:`add_noise` forms the noisy
             sum at double precision and rounds it once; float64 parameters
-            get the four-term sum ``(z1 + z2 + z3 + z4) / 2`` of the ``4 n``
-            normals' four rows, the sine rows as they are and the cosine rows
-            rolled by one, so that the four terms come from four different
-            pairs. Needs the ``cryptography`` package
-            (``pip install "dpfunc[secure]"``). About 1.2x the time of
-            ``torch.randn`` on a CPU for float32 leaves, 5x for float64
-            ones (``bench/noise.py``); CUDA leaves are drawn on the CPU and
-            copied over.
+            get, block by block, the four-term sum
+            ``(((z1 + z2) + z3) + z4) / 2`` of the block's ``4 n`` normals'
+            four rows, the sine rows as they are and the cosine rows rolled
+            by one within the block, so that the four terms come from four
+            different pairs. Needs the ``cryptography`` package
+            (``pip install "dpfunc[secure]"``). About 2x the time of
+            ``torch.randn`` on a CPU for float32 leaves (``bench/noise.py``);
+            CUDA leaves are drawn on the CPU and copied over.
+            The default draw: block ``k`` of leaf ``i`` is
+            ``torch.randn(n, generator=g)`` in the leaf's dtype (float32 for
+            bfloat16 and float16 leaves), ``g = keyed_generator(
+            "dpfunc.{stream}", seed, step, device, part=(i, k))``.
         stream: ``"noise"`` (the gradient noise) or ``"count"`` (adaptive
             clipping's count noise): independent draws from one seed and
             step, by domain separation of the key.
+        rows: ``None`` (every leaf whole) or a sequence with one entry per
+            leaf, in leaf order: ``None`` (that leaf is whole) or a tuple
+            ``(full_shape, start, stop)``: the leaf holds rows
+            ``[start, stop)`` along dim 0 of a tensor of shape ``full_shape``,
+            so its shape is ``(stop - start, *full_shape[1:])`` (0 rows: an
+            empty leaf). Its draw is ``full[start:stop]``, where ``full`` is
+            what ``rows=None`` gives for a leaf of shape ``full_shape`` at the
+            same leaf position.
 
     Returns:
         A tree like ``params``: leaves in their own dtype by default (float32
@@ -172,7 +225,11 @@ def standard_normal_like(
         ValueError: ``seed`` or ``step`` is not a non-negative int,
             ``secure`` is not a bool, a leaf is complex (``torch.randn``
             would give each real coordinate variance 1/2), a leaf is on the
-            ``meta`` device, or (default draw) the leaves span several devices.
+            ``meta`` device, (default draw) the leaves span several devices,
+            or ``rows`` is malformed: not one entry per leaf, an entry not
+            ``None`` or ``(full_shape, start, stop)``, a 0-d ``full_shape``,
+            not ``0 <= start <= stop <= full_shape[0]``, or a leaf's shape
+            not ``(stop - start, *full_shape[1:])``.
         ImportError: ``secure=True`` without ``cryptography``.
 
     >>> params = {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(3)}
@@ -185,6 +242,10 @@ def standard_normal_like(
     True
     >>> torch.equal(a["w"], standard_normal_like(params, secret, step=6, secure=True)["w"])
     False
+    >>> shard = {"w": torch.zeros(1, 3), "b": torch.zeros(3)}  # row 1 of w
+    >>> part = standard_normal_like(shard, secret, step=5, secure=True, rows=[None, ((2, 3), 1, 2)])
+    >>> torch.equal(part["w"], a["w"][1:2])
+    True
     """
     check_seed(seed)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -192,37 +253,155 @@ def standard_normal_like(
     if not isinstance(secure, bool):
         raise ValueError(f"secure must be a bool, got secure={secure!r}")
     check_choice("stream", stream, STREAMS)
-    complex_leaves = [x.dtype for x in tree_leaves(params) if x.is_complex()]
+    leaves = tree_leaves(params)
+    complex_leaves = [x.dtype for x in leaves if x.is_complex()]
     if complex_leaves:  # torch.randn splits the variance over the real and imaginary parts
         raise ValueError(
             f"params must be real tensors, got dtype {complex_leaves[0]}: the Gaussian mechanism "
             "needs N(0, 1) on every real coordinate; view complex parameters as real ones "
             "(torch.view_as_real) in the loss instead"
         )
-    leaves = tree_leaves(params)
     devices = sorted({str(x.device) for x in leaves})
     if "meta" in devices:
         raise ValueError(
             "params are on the meta device, which holds shapes but no values; materialise "
             "the model (model.to_empty(device=...) and load its weights) first"
         )
+    spans = _leaf_spans(rows, leaves)
     if secure:
-        return _secure_normal_like(params, seed, step, stream)
-    if len(devices) > 1:  # one keyed generator draws every leaf, on one device
+        filler = _chacha20_filler(seed, step, stream)
+    elif len(devices) > 1:
         raise ValueError(
-            f"params span the devices {devices}, and the default noise draws every leaf from "
-            "one generator on one device; use secure=True (Trainer(secure_noise=True)), which "
+            f"params span the devices {devices}, and the default noise draws every leaf "
+            "on one device; use secure=True (Trainer(secure_noise=True)), which "
             "draws on the CPU and copies each leaf to its own device"
         )
-    device = leaves[0].device if leaves else torch.device("cpu")
-    return tree_normal_like(params, keyed_generator(f"dpfunc.{stream}", seed, step, device))
+    else:
+        filler = _torch_filler(seed, step, stream)
+    drawn = [
+        _draw_leaf(leaf, span, filler(i, leaf), secure)
+        for i, (leaf, span) in enumerate(zip(leaves, spans, strict=True))
+    ]
+    return tree_structure(params).unflatten(drawn)
+
+
+class _Span(NamedTuple):
+    """The part of a leaf's full draw that a call wants: flat values ``[low, high)``."""
+
+    shape: tuple[int, ...]  # the drawn leaf's shape
+    numel: int  # values of the full leaf (blocks are cut from 0 to numel)
+    low: int
+    high: int
+
+
+def _leaf_spans(rows: Any, leaves: list[Tensor]) -> list[_Span]:
+    """Checks ``rows`` against the leaves and returns each leaf's span of its full draw."""
+    if rows is None:
+        return [_Span(tuple(x.shape), x.numel(), 0, x.numel()) for x in leaves]
+    if isinstance(rows, str | bytes) or not isinstance(rows, Sequence):
+        raise ValueError(
+            "rows must be None or a sequence with one entry per leaf of params "
+            f"({len(leaves)} leaves, in leaf order), got rows={rows!r}"
+        )
+    if len(rows) != len(leaves):
+        raise ValueError(
+            f"rows must have one entry per leaf of params, in leaf order: {len(leaves)} "
+            f"entries, got {len(rows)}"
+        )
+    return [_leaf_span(i, leaf, entry) for i, (leaf, entry) in enumerate(zip(leaves, rows))]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _leaf_span(i: int, leaf: Tensor, entry: Any) -> _Span:
+    """One entry of ``rows``, checked: the span of leaf ``i``'s full draw it names."""
+    shape = tuple(leaf.shape)
+    if entry is None:
+        return _Span(shape, leaf.numel(), 0, leaf.numel())
+    where = f"rows[{i}] (leaf {i} in leaf order)"
+    if not (isinstance(entry, tuple | list) and len(entry) == 3):
+        raise ValueError(
+            f"{where} must be None (the whole leaf) or a tuple (full_shape, start, stop): "
+            f"rows [start, stop) along dim 0 of a tensor of shape full_shape, got {entry!r}"
+        )
+    full, start, stop = entry
+    sizes_ok = isinstance(full, tuple | list) and all(_is_int(d) and d >= 0 for d in full)
+    if not (sizes_ok and len(full) > 0):
+        raise ValueError(
+            f"{where}: full_shape must be a tuple of ints >= 0 with at least one dimension "
+            f"(rows are cut along dim 0), got full_shape={full!r}"
+        )
+    full = tuple(int(d) for d in full)
+    if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= full[0]):
+        raise ValueError(
+            f"{where}: start and stop must be ints with 0 <= start <= stop <= full_shape[0] = "
+            f"{full[0]}, got start={start!r}, stop={stop!r}"
+        )
+    expected = (int(stop) - int(start), *full[1:])
+    if shape != expected:
+        raise ValueError(
+            f"{where}: the leaf's shape must be (stop - start, *full_shape[1:]) = {expected}, "
+            f"got a leaf of shape {shape}"
+        )
+    row = math.prod(full[1:])
+    return _Span(expected, math.prod(full), int(start) * row, int(stop) * row)
+
+
+_Fill = Callable[[int, Tensor], None]  # fill(k, out): block k's values into the 1-D out
+
+
+def _draw_leaf(leaf: Tensor, span: _Span, fill: _Fill, secure: bool) -> Tensor:
+    """The values ``[span.low, span.high)`` of a leaf's full draw, shaped ``span.shape``.
+
+    Only the blocks that overlap the span are drawn; a block wholly inside it
+    is drawn straight into the output, a block cut by an end of the span into
+    a buffer of its own length (its values depend on that length).
+    """
+    if secure:
+        dtype, device = torch.float64, torch.device("cpu")
+    else:
+        dtype, device = torch.promote_types(leaf.dtype, torch.float32), leaf.device
+    low, high, block = span.low, span.high, NOISE_BLOCK
+    flat = torch.empty(high - low, dtype=dtype, device=device)
+    for k in range(low // block, -(-high // block) if high > low else 0):
+        first, last = k * block, min((k + 1) * block, span.numel)
+        if low <= first and last <= high:
+            fill(k, flat[first - low : last - low])
+            continue
+        buffer = torch.empty(last - first, dtype=dtype, device=device)
+        fill(k, buffer)
+        begin, end = max(first, low), min(last, high)
+        flat[begin - low : end - low].copy_(buffer[begin - first : end - first])
+    return flat.view(span.shape).to(leaf.device)
+
+
+def _torch_filler(seed: int, step: int, stream: str) -> Callable[[int, Tensor], _Fill]:
+    """``filler(i, leaf)``: fills block ``k`` of leaf ``i`` from its own keyed torch generator."""
+
+    def filler(i: int, leaf: Tensor) -> _Fill:
+        def fill(k: int, out: Tensor) -> None:
+            generator = keyed_generator(f"dpfunc.{stream}", seed, step, out.device, part=(i, k))
+            torch.randn(out.numel(), generator=generator, out=out)
+
+        return fill
+
+    return filler
 
 
 _MT_WORDS = 624  # 32-bit words of the Mersenne Twister state
 _MT_OFFSET = 24  # bytes before the state words in torch's CPU generator state
 
 
-def keyed_generator(domain: str, seed: int, step: int, device: torch.device) -> torch.Generator:
+def keyed_generator(
+    domain: str,
+    seed: int,
+    step: int,
+    device: torch.device,
+    *,
+    part: tuple[int, int] | None = None,
+) -> torch.Generator:
     """A torch generator on ``device`` whose whole state comes from ``(domain, seed, step)``.
 
     ``torch.Generator.manual_seed`` keeps only the low 32 bits of its
@@ -231,14 +410,20 @@ def keyed_generator(domain: str, seed: int, step: int, device: torch.device) -> 
     the CPU generator's 624 state words (19,968 bits) are the first bytes of
     ``SHAKE-256("{domain}:{seed}:{step}")``, set with ``set_state``; a CUDA
     (Philox) generator takes 64 bits of the same hash as its seed. Distinct
-    domains (noise, Poisson sample) give independent streams.
+    domains (noise, Poisson sample) give independent streams. ``part=(i, k)``
+    hashes ``"{domain}:{seed}:{step}:{i}:{k}"`` instead: one generator per
+    block ``k`` of leaf ``i`` of the noise (:data:`NOISE_BLOCK`); ``None``
+    keeps the key above (the Poisson sample and the partition use it).
 
     Raises:
         RuntimeError: this torch's CPU generator state has a layout dpfunc
             does not know (checked once), so the state cannot be keyed;
             ``secure=True`` still works.
     """
-    material = hashlib.shake_256(f"{domain}:{seed}:{step}".encode()).digest(4 * _MT_WORDS)
+    text = f"{domain}:{seed}:{step}"
+    if part is not None:
+        text += f":{part[0]}:{part[1]}"
+    material = hashlib.shake_256(text.encode()).digest(4 * _MT_WORDS)
     generator = torch.Generator(device=device)
     if torch.device(device).type != "cpu":
         generator.manual_seed(int.from_bytes(material[:8], "little"))
@@ -272,7 +457,8 @@ def _cpu_state_template() -> Tensor:
     return _TEMPLATE[0]
 
 
-def _secure_normal_like(params: PyTree, seed: int, step: int, stream: str) -> PyTree:
+def _chacha20_filler(seed: int, step: int, stream: str) -> Callable[[int, Tensor], _Fill]:
+    """``filler(i, leaf)``: fills block ``k`` of leaf ``i`` from ChaCha20 (float64, CPU)."""
     try:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
     except ImportError as error:
@@ -280,23 +466,41 @@ def _secure_normal_like(params: PyTree, seed: int, step: int, stream: str) -> Py
             "secure=True needs the 'cryptography' package: pip install \"dpfunc[secure]\""
         ) from error
     key = hashlib.sha256(f"dpfunc.secure-{stream}:{seed}:{step}".encode()).digest()
-    keystream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
 
-    def draw(leaf: Tensor) -> Tensor:
+    def filler(i: int, leaf: Tensor) -> _Fill:
+        if i >= 2**32:  # the nonce holds 4 bytes of leaf index
+            raise ValueError(f"secure noise takes at most 2**32 leaves, got leaf index {i}")
         terms = 4 if leaf.dtype == torch.float64 else 1
-        count = leaf.numel() * terms
-        words = torch.empty(count + count % 2, dtype=torch.int64)
-        out = words.numpy().view(np.uint8)
-        for start in range(0, out.size, _CHUNK):  # zeros XOR keystream = keystream
-            piece = out[start : start + _CHUNK]
-            keystream.update_into(_ZEROS[: piece.size], piece)  # no zeroing pass over out
-        z = _box_muller_(words)[:count]
-        if terms > 1:  # sines of pairs j, n + j; cosines of pairs j + 1, n + j + 1 (mod n)
-            rows = z.view(terms, -1)
-            z = (rows[0] + rows[1] + rows[2].roll(-1) + rows[3].roll(-1)).mul_(0.5)
-        return z.view(leaf.shape).to(leaf.device)
 
-    return tree_map(draw, params)
+        def fill(k: int, out: Tensor) -> None:
+            nonce = bytes(4) + i.to_bytes(4, "little") + k.to_bytes(8, "little")
+            keystream = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
+            n = out.numel()
+            count = n * terms
+            if terms == 1 and n % 2 == 0:  # the normals land where the words were: no copy
+                words = out.view(torch.int64)
+            else:
+                words = torch.empty(count + count % 2, dtype=torch.int64)
+            raw = words.numpy().view(np.uint8)
+            for start in range(0, raw.size, _CHUNK):  # zeros XOR keystream = keystream
+                piece = raw[start : start + _CHUNK]
+                keystream.update_into(_ZEROS[: piece.size], piece)  # no zeroing pass
+            z = _box_muller_(words)
+            if terms == 1:
+                if words.data_ptr() != out.data_ptr():
+                    out.copy_(z[:n])
+                return
+            # sines of pairs j, n + j; cosines of pairs j + 1, n + j + 1 (mod n), in the block
+            rows = z[:count].view(terms, n)
+            torch.add(rows[0], rows[1], out=out)
+            for row in rows[2:]:
+                out[:-1].add_(row[1:])
+                out[-1:].add_(row[:1])
+            out.mul_(0.5)
+
+        return fill
+
+    return filler
 
 
 _CHUNK = 1 << 20  # keystream bytes per call

@@ -167,11 +167,13 @@ def test_extreme_keystream_words_give_finite_normals():
         assert z.abs().max() <= math.sqrt(-2 * math.log(2**-53))
 
 
-def _chacha20_words(seed: int, step: int, count: int) -> list[int]:
+def _chacha20_words(seed: int, step: int, count: int, leaf: int = 0, block: int = 0) -> list[int]:
+    """The documented secure stream: key SHA-256 of (seed, step), nonce (0, leaf, block)."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
     key = hashlib.sha256(f"dpfunc.secure-noise:{seed}:{step}".encode()).digest()
-    stream = Cipher(algorithms.ChaCha20(key, bytes(16)), mode=None).encryptor()
+    nonce = struct.pack("<IIQ", 0, leaf, block)  # block counter 0, then the 12-byte nonce
+    stream = Cipher(algorithms.ChaCha20(key, nonce), mode=None).encryptor()
     data = stream.update(bytes(8 * count))
     return [int.from_bytes(data[8 * i : 8 * i + 8], "little") for i in range(count)]
 
@@ -185,27 +187,43 @@ def _box_muller(words: list[int]) -> list[float]:
     return sin + [r * math.cos(a) for r, a in zip(radius, angle)]
 
 
+def _secure_block(leaf: int, block: int, n: int, float64: bool, step: int = 11) -> list[float]:
+    """Block ``block`` of leaf ``leaf``, ``n`` values, from the documented recipe in pure Python."""
+    if not float64:
+        return _box_muller(_chacha20_words(SECRET, step, n + n % 2, leaf, block))[:n]
+    z = _box_muller(_chacha20_words(SECRET, step, 4 * n, leaf, block))
+    # rows: sines of pairs 0..n-1 and n..2n-1, then their cosines; cosines rolled by one
+    return [
+        (z[i] + z[n + i] + z[2 * n + (i + 1) % n] + z[3 * n + (i + 1) % n]) / 2 for i in range(n)
+    ]
+
+
 def test_secure_stream_is_the_documented_one():
-    """ChaCha20 keyed by SHA-256 of (seed, step), leaf after leaf in sorted-key order."""
+    """ChaCha20 keyed by SHA-256 of (seed, step), one nonce per (leaf, block), leaves in
+    sorted-key order."""
     params = {"b": torch.zeros(3), "a": torch.zeros(2, 2, dtype=torch.float64)}
     z = dpfunc.standard_normal_like(params, seed=SECRET, step=11, secure=True)
-    words = _chacha20_words(SECRET, 11, 4 * 4 + 4)
-    four = _box_muller(words[:16])  # "a": 4 values, 4 terms each
-    # rows: sines of pairs 0-3 and 4-7, cosines of pairs 0-3 and 4-7; cosines rolled by one
-    expected_a = [
-        (four[i] + four[4 + i] + four[8 + (i + 1) % 4] + four[12 + (i + 1) % 4]) / 2
-        for i in range(4)
-    ]
-    expected_b = _box_muller(words[16:20])[:3]  # "b": 3 values from 2 pairs, the last dropped
+    expected_a = _secure_block(0, 0, 4, float64=True)  # "a": 4 values, 4 terms each
+    expected_b = _secure_block(1, 0, 3, float64=False)  # "b": 3 values from 2 pairs
     torch.testing.assert_close(z["a"].flatten(), torch.tensor(expected_a, dtype=torch.float64))
     torch.testing.assert_close(z["b"], torch.tensor(expected_b, dtype=torch.float64))
 
 
-def test_default_stream_is_torch_randn_from_a_state_keyed_by_shake256():
-    """The CPU generator's 624 Mersenne Twister words are SHAKE-256 of (seed, step)."""
-    params = {"b": torch.zeros(3), "a": torch.zeros(2, 2, dtype=torch.float64)}
-    z = dpfunc.standard_normal_like(params, seed=SECRET, step=11)
-    material = hashlib.shake_256(f"dpfunc.noise:{SECRET}:11".encode()).digest(4 * 624)
+def test_secure_stream_is_cut_into_documented_blocks(monkeypatch):
+    """With blocks of 4 values: a float64 leaf of 6 (blocks of 4 and 2) and a float32 leaf of 7
+    (4 and 3, an odd block dropping its last normal); pairing and roll stay within a block."""
+    monkeypatch.setattr(dpfunc.noise, "NOISE_BLOCK", 4)
+    params = {"a": torch.zeros(3, 2, dtype=torch.float64), "b": torch.zeros(7)}
+    z = dpfunc.standard_normal_like(params, seed=SECRET, step=11, secure=True)
+    expected_a = _secure_block(0, 0, 4, True) + _secure_block(0, 1, 2, True)
+    expected_b = _secure_block(1, 0, 4, False) + _secure_block(1, 1, 3, False)
+    torch.testing.assert_close(z["a"].flatten(), torch.tensor(expected_a, dtype=torch.float64))
+    torch.testing.assert_close(z["b"], torch.tensor(expected_b, dtype=torch.float64))
+
+
+def _shake_generator(text: str) -> torch.Generator:
+    """A CPU generator whose 624 Mersenne Twister words are SHAKE-256 of ``text``."""
+    material = hashlib.shake_256(text.encode()).digest(4 * 624)
     state = torch.Generator().manual_seed(1).get_state()
     words = struct.unpack("<624I", material)
     state[24 : 24 + 8 * 624] = torch.frombuffer(
@@ -213,9 +231,27 @@ def test_default_stream_is_torch_randn_from_a_state_keyed_by_shake256():
     )
     generator = torch.Generator()
     generator.set_state(state)
-    a = torch.randn(2, 2, generator=generator, dtype=torch.float64)
-    b = torch.randn(3, generator=generator)
-    assert torch.equal(z["a"], a) and torch.equal(z["b"], b)
+    return generator
+
+
+def test_default_stream_is_torch_randn_per_block_from_states_keyed_by_shake256(monkeypatch):
+    """Block k of leaf i: torch.randn from a CPU generator whose 624 Mersenne Twister words
+    are SHAKE-256 of "dpfunc.noise:{seed}:{step}:{i}:{k}"."""
+    monkeypatch.setattr(dpfunc.noise, "NOISE_BLOCK", 40)
+    params = {"b": torch.zeros(3), "a": torch.zeros(2, 50, dtype=torch.float64)}
+    z = dpfunc.standard_normal_like(params, seed=SECRET, step=11)
+
+    def block(i, k, n, dtype):
+        generator = _shake_generator(f"dpfunc.noise:{SECRET}:11:{i}:{k}")
+        return torch.randn(n, generator=generator, dtype=dtype)
+
+    a = torch.cat([block(0, 0, 40, torch.float64), block(0, 1, 40, torch.float64),
+                   block(0, 2, 20, torch.float64)])  # fmt: skip
+    assert torch.equal(z["a"].flatten(), a) and torch.equal(z["b"], block(1, 0, 3, torch.float32))
+    # without part, the key is the one the Poisson sample has always used
+    plain = dpfunc.noise.keyed_generator("dpfunc.poisson", SECRET, 2, torch.device("cpu"))
+    oracle = _shake_generator(f"dpfunc.poisson:{SECRET}:2")
+    assert torch.equal(torch.rand(64, generator=plain), torch.rand(64, generator=oracle))
 
 
 def test_default_draws_use_every_bit_of_the_seed():
@@ -304,3 +340,165 @@ def test_complex_parameters_are_refused_not_under_noised(secure):
         dpfunc.standard_normal_like(
             {"w": torch.zeros(3, dtype=torch.complex64)}, 0, 0, secure=secure
         )
+
+
+# --------------------------------------------------------------------------- random access
+
+SHARD_SHAPES = [(5,), (300,), (7, 3, 11), (2, 40), (1, 200), (9, 64)]  # blocks of 64 below
+
+
+def shard_rows(d0: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows as torch.chunk cuts them: ceil(d0 / world) each, the last ones short."""
+    size = -(-d0 // world)
+    return min(rank * size, d0), min((rank + 1) * size, d0)
+
+
+def draw_shards(shapes, world, rank, dtype, secure, step=5, whole=()):
+    """Rank ``rank``'s draw of a tree of ``shapes`` (leaves named in leaf order); the leaf
+    indices in ``whole`` are held whole (rows entry None)."""
+    params, rows = {}, []
+    for i, shape in enumerate(shapes):
+        if i in whole:
+            params[f"p{i}"], entry = torch.zeros(shape, dtype=dtype), None
+        else:
+            start, stop = shard_rows(shape[0], world, rank)
+            params[f"p{i}"] = torch.zeros(stop - start, *shape[1:], dtype=dtype)
+            entry = (shape, start, stop)
+        rows.append(entry)
+    return dpfunc.standard_normal_like(params, SECRET, step, secure=secure, rows=rows)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_draws_concatenate_to_the_whole_draw(monkeypatch, world, dtype, secure):
+    monkeypatch.setattr(dpfunc.noise, "NOISE_BLOCK", 64)
+    full = {f"p{i}": torch.zeros(s, dtype=dtype) for i, s in enumerate(SHARD_SHAPES)}
+    whole = dpfunc.standard_normal_like(full, SECRET, 5, secure=secure)
+    shards = [draw_shards(SHARD_SHAPES, world, r, dtype, secure, whole={1}) for r in range(world)]
+    for i, shape in enumerate(SHARD_SHAPES):
+        name = f"p{i}"
+        for rank, shard in enumerate(shards):
+            start, stop = (0, shape[0]) if i == 1 else shard_rows(shape[0], world, rank)
+            assert shard[name].shape == (stop - start, *shape[1:])
+            assert shard[name].dtype == whole[name].dtype
+            assert torch.equal(shard[name], whole[name][start:stop])
+        if i != 1:
+            assert torch.equal(torch.cat([shard[name] for shard in shards]), whole[name])
+    # a leaf whose first dim is under the world size leaves later ranks empty
+    assert shards[-1]["p4"].numel() == 0 and (world == 2 or shards[-1]["p3"].numel() == 0)
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_ranks_draws_concatenate_at_the_real_block_size(secure):
+    shape = (3, dpfunc.noise.NOISE_BLOCK // 2 + 5)  # rank 0 of 2 ends 10 values into block 1
+    whole = dpfunc.standard_normal_like({"w": torch.zeros(shape)}, SECRET, 2, secure=secure)["w"]
+    shards = [draw_shards([shape], 2, rank, torch.float32, secure, step=2)["p0"] for rank in (0, 1)]
+    assert torch.equal(torch.cat(shards), whole)
+
+
+def spy_keyed_generator(monkeypatch) -> list:
+    calls = []
+    real = dpfunc.noise.keyed_generator
+
+    def spy(domain, seed, step, device, *, part=None):
+        calls.append(part)
+        return real(domain, seed, step, device, part=part)
+
+    monkeypatch.setattr(dpfunc.noise, "keyed_generator", spy)
+    return calls
+
+
+def spy_chacha20(monkeypatch) -> list:
+    from cryptography.hazmat.primitives.ciphers import algorithms
+
+    calls = []
+    real = algorithms.ChaCha20
+
+    def spy(key, nonce):
+        calls.append(struct.unpack("<IIQ", nonce))  # (counter, leaf, block)
+        return real(key, nonce)
+
+    monkeypatch.setattr(algorithms, "ChaCha20", spy)
+    return calls
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_a_rank_draws_only_the_blocks_that_overlap_its_rows(monkeypatch, secure):
+    monkeypatch.setattr(dpfunc.noise, "NOISE_BLOCK", 64)
+    calls = spy_chacha20(monkeypatch) if secure else spy_keyed_generator(monkeypatch)
+    parts = (lambda: {c[1:] for c in calls}) if secure else (lambda: set(calls))
+    shapes = [(10, 30), (10, 30)]  # 300 values: blocks 0-3 of 64 and block 4 of 44
+    draw_shards(shapes, 4, 0, torch.float32, secure)  # rows [0, 3): values [0, 90)
+    assert parts() == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    calls.clear()
+    draw_shards(shapes, 4, 1, torch.float32, secure, whole={0})  # leaf 1: values [90, 180)
+    assert parts() == {(0, k) for k in range(5)} | {(1, 1), (1, 2)}
+    assert len(calls) == 7  # each block keyed once
+    calls.clear()
+    draw_shards([(2, 30), (10, 30)], 4, 2, torch.float32, secure)  # leaf 0: no rows
+    assert parts() == {(1, 2), (1, 3), (1, 4)}  # leaf 1: rows [6, 9) = values [180, 270)
+    if secure:
+        assert all(counter == 0 for counter, _, _ in calls)
+
+
+def test_secure_nonces_never_repeat_within_a_draw(monkeypatch):
+    monkeypatch.setattr(dpfunc.noise, "NOISE_BLOCK", 64)
+    calls = spy_chacha20(monkeypatch)
+    params = {f"p{i}": torch.zeros(7 * i + 100, dtype=torch.float64) for i in range(5)}
+    dpfunc.standard_normal_like(params, SECRET, 0, secure=True)
+    assert len(calls) == len(set(calls)) == sum(-(-v.numel() // 64) for v in params.values())
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_blocks_and_leaves_are_independent(secure):
+    block = dpfunc.noise.NOISE_BLOCK
+    params = {"a": torch.zeros(2 * block), "b": torch.zeros(2 * block)}
+    z = dpfunc.standard_normal_like(params, SECRET, 1, secure=secure)
+    a, b = z["a"].double(), z["b"].double()
+    assert ks_statistic(a, 1.0) < ks_critical(a.numel())
+
+    def corr(x, y):
+        return abs(float(torch.corrcoef(torch.stack([x, y]))[0, 1]))
+
+    assert corr(a[block - 1000 : block], a[block : block + 1000]) < 5 / math.sqrt(1000)
+    for x, y in ((a[:block], a[block:]), (a, b), (a[:block], b[block:])):  # no shared stream
+        assert corr(x, y) < 5 / math.sqrt(block)
+        assert not torch.equal(x, y)
+
+
+BAD_ROWS = [
+    (5, r"rows must be None or a sequence with one entry per leaf of params \(2 leaves"),
+    ([None], "rows must have one entry per leaf of params, in leaf order: 2 entries, got 1"),
+    ([None, "w"], r"rows\[1\] \(leaf 1 in leaf order\) must be None \(the whole leaf\) or"),
+    ([None, ((4, 3), 0)], r"rows\[1\] .* a tuple \(full_shape, start, stop\)"),
+    ([None, (4, 0, 2)], r"rows\[1\] .*full_shape must be a tuple of ints >= 0 .*full_shape=4"),
+    ([None, ((), 0, 0)], r"full_shape must be a tuple .* at least one dimension"),
+    ([None, ((4, -3), 0, 2)], r"full_shape must be a tuple of ints >= 0"),
+    ([None, ((4, 3), 3, 1)], r"0 <= start <= stop <= full_shape\[0\] = 4, got start=3, stop=1"),
+    ([None, ((4, 3), 3, 5)], r"got start=3, stop=5"),
+    ([None, ((4, 3), -1, 1)], r"got start=-1, stop=1"),
+    ([None, ((4, 3), True, 3)], r"got start=True, stop=3"),
+    ([None, ((4, 3), 0, 2.0)], r"got start=0, stop=2.0"),
+    ([None, ((4, 3), 0, 3)], r"shape must be \(stop - start, \*full_shape\[1:\]\) = \(3, 3\), got"),
+    ([None, ((6, 4), 0, 2)], r"= \(2, 4\), got a leaf of shape \(2, 3\)"),
+    ([((1,), 0, 1), None], r"rows\[0\] \(leaf 0 .* = \(1,\), got a leaf of shape \(\)"),
+]
+
+
+@pytest.mark.parametrize("secure", [False, True])
+@pytest.mark.parametrize("rows, match", BAD_ROWS)
+def test_bad_rows_are_refused_naming_the_leaf(rows, match, secure):
+    params = {"a": torch.zeros(()), "b": torch.zeros(2, 3)}  # leaf 0: 0-d, leaf 1: rows 0-1 of 4
+    with pytest.raises(ValueError, match=match):
+        dpfunc.standard_normal_like(params, SECRET, 0, secure=secure, rows=rows)
+
+
+def test_rows_accept_whole_leaves_lists_and_torch_sizes():
+    params = {"a": torch.zeros(()), "b": torch.zeros(2, 3)}
+    whole = dpfunc.standard_normal_like(params, SECRET, 0)
+    same = dpfunc.standard_normal_like(params, SECRET, 0, rows=(None, (torch.Size([2, 3]), 0, 2)))
+    assert torch.equal(whole["a"], same["a"]) and torch.equal(whole["b"], same["b"])
+    bigger = {"a": torch.zeros(()), "b": torch.zeros(4, 3)}
+    part = dpfunc.standard_normal_like(params, SECRET, 0, rows=[None, [[4, 3], 2, 4]])
+    assert torch.equal(part["b"], dpfunc.standard_normal_like(bigger, SECRET, 0)["b"][2:])
