@@ -193,7 +193,7 @@ class Evaluate:
         self.eval_fn = eval_fn
 
     def on_epoch_end(self, trainer: Any, metrics: dict[str, float]) -> None:
-        results = self.eval_fn(trainer.params)
+        results = self.eval_fn(trainer.full_params())  # sharded: gathered, collective
         if not isinstance(results, Mapping):
             raise TypeError(
                 f"eval_fn must return a dict of numbers, e.g. {{'accuracy': 0.9}}, got {results!r}"
@@ -231,7 +231,7 @@ class Checkpoint:
         self._saved_at: int | None = None
 
     def on_init(self, trainer: Any) -> None:
-        resume = os.path.exists(self.path)
+        resume = _checkpoint.exists(self.path)  # a file, or a sharded directory
         if trainer.distributed:  # load is collective
             _distributed.check_same_across_ranks(
                 {"exists": resume}, f"whether checkpoint_path={os.fspath(self.path)!r} exists"

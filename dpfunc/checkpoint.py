@@ -21,6 +21,17 @@ secret (a fixed one is refused: a run resumed from it would not be private).
 
 Distributed, :func:`save` and :func:`load` are collective: rank 0 writes,
 every rank reads the same file, and all ranks raise together on a failure.
+
+A sharded run (``shard=True``, :mod:`dpfunc.sharding`) writes a directory:
+each save is a subdirectory ``step-<steps>-<tag>`` of
+``torch.distributed.checkpoint`` files, in which every rank writes its rows
+of the parameters, the optimizer state and the noise history (re-cut on
+loading, so a checkpoint saved on 2 ranks loads on 4), and rank 0 writes
+``dpfunc.pt`` (the settings, the secret seed, the accountant, the step and
+the clip state). The file ``latest`` names the complete one: it is replaced
+atomically only after every rank has written its part, so a rank that dies
+during a save leaves the previous checkpoint in force; older ones are then
+removed. The ranks must all see the directory (shared storage).
 """
 
 from __future__ import annotations
@@ -63,13 +74,29 @@ valid for what it released; start a new run.
 STATE_PARTS = ("params", "opt_state", "step", "clip_state", "noise_state")
 
 
+LATEST = "latest"  # in a sharded checkpoint's directory: the name of its complete save
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a checkpoint: a file, or a sharded directory with a complete save."""
+    if os.path.isdir(path):
+        return os.path.exists(os.path.join(path, LATEST))
+    return os.path.exists(path)
+
+
 def check_path(path: Any) -> None:
-    """Fails now, not at the first save, if checkpoints cannot be written at ``path``."""
+    """Fails now, not at the first save, if checkpoints cannot be written at ``path``.
+
+    A directory is accepted if it holds a sharded checkpoint (a file
+    ``latest``) or nothing.
+    """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(
             f"checkpoint_path must be a str or os.PathLike, got checkpoint_path={path!r}"
         )
     directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) and (exists(path) or not os.listdir(path)):
+        return
     if os.path.isdir(path):
         raise ValueError(f"checkpoint_path must name a file, got the directory {os.fspath(path)!r}")
     if not os.path.isdir(directory):
@@ -114,6 +141,9 @@ def save(trainer: Any, path: str | os.PathLike) -> None:
     """
     if not trainer.distributed:
         _write(trainer, path)
+        return
+    if trainer.step_fn.sharded:
+        _save_sharded(trainer, path)
         return
     error = None
     if trainer.rank == 0:
@@ -211,6 +241,9 @@ def load(trainer: Any, path: str | os.PathLike) -> None:
             distributed, also when another rank failed to load it or read a
             different file. The trainer is left unchanged.
     """
+    if os.path.isdir(path) or trainer.step_fn.sharded:
+        _load_sharded(trainer, path)
+        return
     if not trainer.distributed:
         trainer.restore(*_read(trainer, path))
         return
@@ -371,3 +404,145 @@ def _saved_setting(saved: dict[str, Any], key: str, ours: Any) -> Any:
     if key == "expected_batch_size":  # implied by the sample rate, which is compared
         return ours
     return None
+
+
+# --------------------------------------------------------------------------- sharded runs
+
+_SHARDED_PARTS = ("params", "opt_state", "noise_state")  # each rank's rows, through DCP
+_REPLICATED_PARTS = ("step", "clip_state")  # the same on every rank: in rank 0's dpfunc.pt
+
+
+def _sharded_parts(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """The cut parts of ``trainer.state`` as DTensors, for torch.distributed.checkpoint."""
+    from .sharding import as_dtensors, state_dims
+
+    step = trainer.step_fn
+    layout = step.collectives.layout()
+    inits = {
+        "params": lambda rows: rows,
+        "opt_state": step.optimizer.init,
+        "noise_state": step.noise_mechanism.init,
+    }
+    device = optree.tree_leaves(trainer.state.params)[0].device
+    return {
+        part: as_dtensors(getattr(trainer.state, part), state_dims(inits[part], layout), device)
+        for part in _SHARDED_PARTS
+    }
+
+
+def _everyone(trainer: Any, ok: bool, what: str) -> None:
+    """Raises on every rank unless ``ok`` on every rank (``what`` names what failed)."""
+    flags = _distributed.gather_flags(ok, f"the check that every rank {what}", trainer.steps_done)
+    if not all(flags):
+        failed = [r for r, flag in enumerate(flags) if not flag]
+        raise RuntimeError(f"ranks {failed} failed: {what} (see their logs)")
+
+
+def _save_sharded(trainer: Any, path: str | os.PathLike) -> None:
+    import shutil
+    import uuid
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    path = os.fspath(path)
+    name = [f"step-{trainer.steps_done:09d}-{uuid.uuid4().hex[:8]}" if trainer.rank == 0 else ""]
+    _distributed._collective(
+        "broadcast of the checkpoint's name", trainer.steps_done,
+        lambda: dist.broadcast_object_list(name, src=0),
+    )  # fmt: skip
+    target = os.path.join(path, name[0])
+    if trainer.rank == 0:
+        os.makedirs(path, exist_ok=True)
+    _everyone(trainer, os.path.isdir(path) or trainer.rank != 0, f"created {path!r}")
+    _distributed._collective(
+        f"torch.distributed.checkpoint save into {target!r}", trainer.steps_done,
+        lambda: dcp.save(_sharded_parts(trainer), checkpoint_id=target),
+    )  # fmt: skip
+    error = None
+    if trainer.rank == 0:  # every rank's rows are written: make this save the checkpoint
+        try:
+            meta = state_dict(trainer, _REPLICATED_PARTS)
+            meta["shapes"] = trainer.step_fn.collectives.layout().shapes
+            _atomic_write(os.path.join(target, "dpfunc.pt"), lambda f: torch.save(meta, f))
+            _atomic_write(os.path.join(path, LATEST), lambda f: f.write(name[0].encode()))
+            for old in os.listdir(path):
+                if old.startswith("step-") and old != name[0]:
+                    shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+        except Exception as caught:
+            error = caught
+    flags = _distributed.gather_flags(
+        error is None, f"the barrier after rank 0 completed checkpoint {path!r}", trainer.steps_done
+    )
+    if error is not None:
+        raise error
+    if not flags[0]:
+        raise RuntimeError(f"rank 0 failed to complete checkpoint {path!r}; see its log")
+
+
+def _atomic_write(path: str, write: Any) -> None:
+    handle, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".dpfunc-", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _read_sharded_meta(trainer: Any, path: str) -> tuple[str, tuple]:
+    """The complete save's directory and its validated replicated parts; changes nothing."""
+    if not trainer.step_fn.sharded:
+        raise ValueError(
+            f"checkpoint {path!r} is a sharded checkpoint (a directory); load it into a Trainer "
+            "built with shard=True"
+        )
+    try:
+        with open(os.path.join(path, LATEST)) as f:
+            target = os.path.join(path, f.read().strip())
+        meta = torch.load(os.path.join(target, "dpfunc.pt"), weights_only=True)
+    except Exception as error:
+        raise ValueError(f"checkpoint {path!r} is unreadable: {error}") from error
+    loaded = from_state_dict(trainer, meta, path, _REPLICATED_PARTS)
+    shapes = [tuple(s) for s in meta.get("shapes", [])]
+    if shapes != trainer.step_fn.collectives.layout().shapes:
+        raise ValueError(
+            f"checkpoint {path!r} holds parameters shaped {shapes}, this trainer's are "
+            f"{trainer.step_fn.collectives.layout().shapes}"
+        )
+    return target, loaded
+
+
+def _load_sharded(trainer: Any, path: str | os.PathLike) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from .sharding import from_dtensors
+
+    path = os.fspath(path)
+    error = None
+    try:
+        target, (state, accountant, history, seed) = _read_sharded_meta(trainer, path)
+    except ValueError as caught:
+        error, target = caught, ""
+    flags = _distributed.gather_flags(
+        error is None, f"the check that every rank read checkpoint {path!r}"
+    )
+    if error is not None:
+        raise error
+    if not all(flags):
+        failed = [r for r, ok in enumerate(flags) if not ok]
+        raise ValueError(f"checkpoint {path!r} could not be read on ranks {failed}")
+    _distributed.check_same_across_ranks({"save": os.path.basename(target)}, f"checkpoint {path!r}")
+    parts = _sharded_parts(trainer)  # this trainer's layout: DCP re-cuts the saved rows into it
+    _distributed._collective(
+        f"torch.distributed.checkpoint load from {target!r}", None,
+        lambda: dcp.load(parts, checkpoint_id=target),
+    )  # fmt: skip
+    state = state._replace(
+        **{part: from_dtensors(getattr(state, part), parts[part]) for part in _SHARDED_PARTS}
+    )
+    trainer.restore(state, accountant, history, seed)

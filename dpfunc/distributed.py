@@ -496,27 +496,38 @@ def collectives(config: DPConfig) -> Collectives:
         return gather_stats(stats, step=step)
 
     def start(params: Params) -> Params:
-        check_same_across_ranks(
-            {
-                "clip_norm": config.clip_norm,
-                "noise_multiplier": config.noise_multiplier,
-                "expected_batch_size": config.expected_batch_size,
-                "clipping": config.clipping,
-                "bands": config.bands,
-                "params": [(tuple(x.shape), str(x.dtype)) for x in tree_leaves(params)],
-            },
-            "make_train_step settings",
-        )
-        leaves = [x.detach().clone() for x in tree_leaves(params)]
-        for leaf in leaves:
-            _collective(
-                "broadcast of rank 0's initial parameters",
-                None,
-                lambda leaf=leaf: dist.broadcast(leaf, src=0),
-            )
-        return tree_structure(params).unflatten(leaves)
+        check_step_settings(config, params)
+        return broadcast_from_rank0(params)
 
     return Collectives(reduce=reduce, gather=gather, start=start, distributed=True)
+
+
+def check_step_settings(config: DPConfig, params: Params, **more: Any) -> None:
+    """Raises ``ValueError`` on every rank unless the ranks' step settings and shapes agree."""
+    check_same_across_ranks(
+        {
+            "clip_norm": config.clip_norm,
+            "noise_multiplier": config.noise_multiplier,
+            "expected_batch_size": config.expected_batch_size,
+            "clipping": config.clipping,
+            "bands": config.bands,
+            "params": [(tuple(x.shape), str(x.dtype)) for x in tree_leaves(params)],
+            **more,
+        },
+        "make_train_step settings",
+    )
+
+
+def broadcast_from_rank0(params: Params) -> Params:
+    """Copies of rank 0's ``params`` on every rank (collective; the inputs are not changed)."""
+    leaves = [x.detach().clone() for x in tree_leaves(params)]
+    for leaf in leaves:
+        _collective(
+            "broadcast of rank 0's initial parameters",
+            None,
+            lambda leaf=leaf: dist.broadcast(leaf, src=0),
+        )
+    return tree_structure(params).unflatten(leaves)
 
 
 def make_train_step(
@@ -528,6 +539,7 @@ def make_train_step(
     method: str = "auto",
     chunk_size: int | None = None,
     memory_budget: int | None = None,
+    shard: bool = False,
     **settings: Any,
 ) -> TrainStep:
     """:func:`dpfunc.make_train_step` for data-parallel training on a process group.
@@ -546,11 +558,26 @@ def make_train_step(
     shared standard-normal trees and of the noise history in the state,
     which every rank updates identically.
 
+    ``shard=True`` shards the parameters, the optimizer state and the noise
+    history over the ranks (:mod:`dpfunc.sharding`): ``init`` keeps this
+    rank's rows of rank 0's parameters, ``state.params`` are those rows,
+    :meth:`~dpfunc.TrainStep.full_params` gathers the whole ones, and the
+    result equals the single-process step's to float rounding.
+
     Raises:
         RuntimeError: no process group is initialised (call :func:`init`).
-        ValueError, TypeError: as :func:`dpfunc.make_train_step`.
+        ValueError, TypeError: as :func:`dpfunc.make_train_step`; ``shard``
+            is not a bool.
     """
     config = config_from("dpfunc.distributed.make_train_step", config, settings)
+    if not isinstance(shard, bool):
+        raise TypeError(f"shard must be a bool, got shard={shard!r}")
+    if shard:
+        from .sharding import collectives as sharded_collectives
+
+        chosen = sharded_collectives(config, optimizer)
+    else:
+        chosen = collectives(config)
     return TrainStep(
         loss_fn,
         optimizer,
@@ -559,7 +586,7 @@ def make_train_step(
         method=method,
         chunk_size=chunk_size,
         memory_budget=memory_budget,
-        collectives=collectives(config),
+        collectives=chosen,
     )
 
 

@@ -31,7 +31,7 @@ from .config import DPConfig
 from .data import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .report import PrivacyReport, privacy_report, steps_within_budget
-from .step import ExampleStats, TrainState, check_nonfinite, summarize
+from .step import ExampleStats, TrainState, TrainStep, check_nonfinite, make_train_step, summarize
 
 __all__ = ["PlannedRun", "RunPlan"]
 
@@ -117,6 +117,25 @@ class RunPlan:
     def seed(self) -> int:
         """The secret that keys the samples, the partitions and the noise (never print it)."""
         return self.batches.seed
+
+    def make_step(self, loss_fn: Any, optimizer: Any, *, shard: bool, **how: Any) -> TrainStep:
+        """The run's step: single-process, data-parallel, or sharded (``shard=True``).
+
+        Raises:
+            TypeError: ``shard`` is not a bool.
+            ValueError: ``shard=True`` in a run that is not distributed.
+        """
+        if not isinstance(shard, bool):
+            raise TypeError(f"shard must be a bool, got shard={shard!r}")
+        if not self.distributed:
+            if shard:
+                raise ValueError(
+                    "shard=True splits the model over the ranks of a distributed run; this run "
+                    "is on one process (launch with torchrun, call dpfunc.distributed.init(), "
+                    "and leave distributed=None or True)"
+                )
+            return make_train_step(loss_fn, optimizer, self.config, **how)
+        return _distributed.make_train_step(loss_fn, optimizer, self.config, shard=shard, **how)
 
     def adopt_seed(self, seed: int) -> None:
         """Takes a loaded run's drawn secret: the partitions are derived again from it."""

@@ -217,9 +217,17 @@ class Collectives(NamedTuple):
     reduce: Callable[[Params, Any], Params]
     # gather(stats, step) -> every rank's per-example stats, in rank order
     gather: Callable[[ExampleStats, Any], ExampleStats]
-    # start(params) -> the initial parameters every rank starts from (rank 0's), settings checked
+    # start(params) -> the initial parameters every rank starts from (rank 0's), settings checked;
+    # sharded: this rank's rows of them
     start: Callable[[Params], Params]
     distributed: bool = False
+    # unshard(params, step) -> the whole parameters (sharded: every rank's rows gathered)
+    unshard: Callable[[Params, Any], Params] = lambda params, *_: params
+    # noise_rows(params) -> standard_normal_like's rows= for this rank's parameters (None: whole)
+    noise_rows: Callable[[Params], Any] = lambda params: None
+    sharded: bool = False
+    # layout() -> the dpfunc.sharding.Sharding of the parameters (sharded steps only)
+    layout: Callable[[], Any] = lambda: None
 
 
 def _identity(value: Any, *_: Any) -> Any:
@@ -318,6 +326,11 @@ class TrainStep:
     def distributed(self) -> bool:
         """The step's collectives span a process group (``dpfunc.distributed``)."""
         return self.collectives.distributed
+
+    @property
+    def sharded(self) -> bool:
+        """Each rank holds its rows of the parameters and states (:mod:`dpfunc.sharding`)."""
+        return self.collectives.sharded
 
     def init(self, params: Params) -> TrainState:
         """The state before the first step; ``params`` are not copied or changed.
@@ -599,9 +612,19 @@ class TrainStep:
         running sum of :meth:`zeros` and :meth:`accumulate`, and the
         reduction adds in float64, whose rounding the clip margin covers
         (``dpfunc.clipping.ACCUMULATED_SUMS`` counts micro-batches and ranks
-        together). ``step`` only labels error messages.
+        together). Sharded, ``summed`` is this rank's sum of the whole model
+        and the result this rank's rows of the total (a reduce-scatter).
+        ``step`` only labels error messages.
         """
         return self.collectives.reduce(summed, step)
+
+    def full_params(self, state: TrainState) -> Params:
+        """The whole parameters of ``state``: ``state.params``, or every rank's rows gathered.
+
+        Sharded (``shard=True``), ``state.params`` holds this rank's rows of
+        each parameter and this is collective: call it on every rank.
+        """
+        return self.collectives.unshard(state.params, state.step)
 
     def gather_stats(
         self, stats: ExampleStats, *, step: int | Tensor | None = None
@@ -626,7 +649,8 @@ class TrainStep:
         """
         check_state(state)
         check_same_structure(noise, state.params, "noise", "params")
-        check_same_structure(summed, state.params, "summed", "params")
+        if not self.sharded:  # sharded: summed is whole, the reduce-scatter checks its shapes
+            check_same_structure(summed, state.params, "summed", "params")
         reduced = self.all_reduce(summed, step=state.step)
         return self._apply_reduced(state, reduced, noise, count, count_noise)
 
@@ -709,7 +733,8 @@ class TrainStep:
         ``secure=None`` follows ``config.secure_noise``.
         """
         secure = self.config.secure_noise if secure is None else secure
-        noise = standard_normal_like(params, seed=seed, step=step, secure=secure)
+        rows = self.collectives.noise_rows(params)  # sharded: this rank's rows of the tree
+        noise = standard_normal_like(params, seed=seed, step=step, secure=secure, rows=rows)
         if not self.adaptive:
             return StepNoise(noise, None)
         zero = {"count": torch.zeros((), dtype=torch.float64)}
@@ -794,9 +819,10 @@ class TrainStep:
         adaptive = (
             (state.clip_state.clip_norm,) if self.adaptive else ()
         )  # the clip norm it follows
-        summed, stats = self.zeros(state.params), []
+        params = self.full_params(state)  # sharded: gathered once for all micro-batches
+        summed, stats = self.zeros(params), []
         for batch, mask in micro_batches:
-            summed, part = self._accumulate(summed, state.params, batch, mask, *adaptive)
+            summed, part = self._accumulate(summed, params, batch, mask, *adaptive)
             stats.append(part)
         stats = ExampleStats.cat(stats) if stats else _no_stats(state.params)
         stats = self.gather_stats(stats, step=state.step)  # this rank's share -> the whole
@@ -824,9 +850,8 @@ class TrainStep:
         check_state(state)
         check_same_structure(noise, state.params, "noise", "params")
         clip_norm = state.clip_state.clip_norm if self.adaptive else None
-        summed, stats = self.accumulate(
-            self.zeros(state.params), state.params, batch, mask, clip_norm
-        )
+        params = self.full_params(state)
+        summed, stats = self.accumulate(self.zeros(params), params, batch, mask, clip_norm)
         stats = self.gather_stats(stats, step=state.step)
         count = self.unclipped_count(state, stats) if self.adaptive else None
         return self.apply(state, summed, noise, count, count_noise), summarize(stats)

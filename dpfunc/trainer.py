@@ -28,14 +28,13 @@ from typing import Any
 from torch import nn
 
 from . import checkpoint as _checkpoint
-from . import distributed as _distributed
 from . import optim
 from .callbacks import StepMeter, built_in, check_callbacks, learning_rate, run_hook
 from .checks import check_choice, check_int, check_params
 from .config import DPConfig, config_from
 from .per_sample import LossFn
 from .plan import PlannedRun, RunPlan
-from .step import NONFINITE, NoiseAhead, TrainState, make_train_step
+from .step import NONFINITE, NoiseAhead, TrainState
 from .tree import Params
 
 # keyword options beside the privacy settings, with their defaults (see Trainer)
@@ -44,6 +43,7 @@ OPTIONS = {
     "checkpoint_path": None,
     "checkpoint_every": None,
     "distributed": None,
+    "shard": False,
     "nonfinite": "warn",
     "memory_budget": None,
 }
@@ -95,7 +95,12 @@ class Trainer(PlannedRun):
             requires one, ``False`` trains on this process alone (every rank
             builds the Trainer with the same arguments, checked, and calls
             the same methods; ``fit``, ``train_step``, ``save`` and ``load``
-            are collective); ``nonfinite``: ``"warn"`` (default) or
+            are collective); ``shard``: ``True`` shards the parameters, the
+            optimizer state and the noise history over the ranks
+            (:mod:`dpfunc.sharding`; needs a distributed run): ``params``
+            are then this rank's rows, :meth:`full_params` gathers them,
+            and checkpoints are ``torch.distributed.checkpoint``
+            directories, loadable on another number of ranks; ``nonfinite``: ``"warn"`` (default) or
             ``"error"`` about examples with a NaN/inf gradient, always left
             out of the sum (:func:`dpfunc.step.check_nonfinite`);
             ``memory_budget``: bytes the per-example gradients may take at
@@ -142,10 +147,9 @@ class Trainer(PlannedRun):
         self.batches = plan.batches  # the Poisson sampler the secret seed keys
         self.nonfinite = run["nonfinite"]
         self._warned_nonfinite = False
-        make_step = _distributed.make_train_step if plan.distributed else make_train_step
-        self.step_fn = make_step(
-            loss_fn, optimizer, config, model=model, method=method, chunk_size=chunk_size,
-            memory_budget=run["memory_budget"],
+        self.step_fn = plan.make_step(
+            loss_fn, optimizer, model=model, method=method, chunk_size=chunk_size,
+            memory_budget=run["memory_budget"], shard=run["shard"],
         )  # fmt: skip
         if compile:
             self.step_fn.compile()  # the collectives run eagerly between the compiled pieces
@@ -157,7 +161,15 @@ class Trainer(PlannedRun):
         self.callbacks = before + user_callbacks + after
         run_hook(self.callbacks, "on_init", self)
 
-    params = property(lambda self: self.state.params)
+    params = property(lambda self: self.state.params)  # sharded: this rank's rows
+
+    def full_params(self) -> Params:
+        """The whole parameters: :attr:`params`, or, sharded, every rank's rows gathered.
+
+        Sharded this is collective: call it on every rank (the evaluation
+        callback does, before ``eval_fn``).
+        """
+        return self.step_fn.full_params(self.state)
 
     def train_step(self) -> dict[str, float]:
         """One logical DP-SGD step; returns its (non-private) metrics as floats, and ``lr``.

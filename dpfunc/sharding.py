@@ -1,0 +1,385 @@
+"""Sharded data-parallel DP-SGD: the parameters, optimizer state and noise history split over ranks.
+
+Data-parallel training (:mod:`dpfunc.distributed`) keeps the whole model,
+the whole optimizer state and (with ``bands > 1``) the whole noise history
+on every rank. Sharded training keeps ``1/W`` of each on each of ``W``
+ranks, in the layout of FSDP2 (``torch.distributed.fsdp.fully_shard``,
+itself ZeRO stage 3, Rajbhandari et al. 2020): every parameter is cut along
+dim 0 as ``torch.chunk`` cuts it, ``c = ceil(d0 / W)`` rows a chunk, and
+rank ``r`` holds rows ``[r c, (r + 1) c)`` clipped to ``[0, d0)`` (the last
+ranks may hold fewer rows, or none). A 0-d parameter is one row, held by
+rank 0. The optimizer state and the noise history are built from the
+shards, so they are cut the same way. One private step on ``W`` ranks::
+
+    every rank r:  all_gather -> the whole parameters (transient)             collective 1
+                   its share of the Poisson batch -> clipped sum S_r of the WHOLE model
+                   (float64; every example's norm over all parameters, one clip factor)
+    all ranks:     reduce_scatter(SUM) -> rank r holds its rows of S = S_0 + ... + S_{W-1}
+                                                                              collective 2
+    every rank r:  its rows of S + sigma * C * z, z its rows of the step's standard-normal
+                   tree (drawn alone, from the shared secret) -> / expected_batch_size
+                   -> the optimizer's update of its rows
+
+**Each example's norm needs no collective.** Each example of a logical
+batch is on exactly one rank, and that rank gathers the whole model for
+its pass, as FSDP does layer by layer: the example's gradient, its norm
+over all parameters and its clip factor are computed where the example is,
+and only the clipped sums are combined. Ghost clipping's per-layer squared
+norms are likewise summed over the layers on that rank. (Summing per-shard
+norms over ranks would be needed only if ranks split one example's
+gradient between them, as tensor parallelism does.)
+
+**The noise is added once per coordinate.** Rank ``r`` draws only the rows
+it holds of the single-process standard-normal tree: the stream has random
+access by block (:func:`dpfunc.standard_normal_like` with ``rows=``), keyed
+by the shared secret, the step, the leaf and the block. The ranks' rows
+together are exactly the tree one process draws, so the sharded run adds
+the single-process noise, and the accountant's view of a step is
+unchanged. The secret is broadcast once, at the start
+(:func:`dpfunc.distributed.shared_secret_seed`), as for data-parallel runs.
+
+**The optimizer acts on rows.** It updates each rank's rows alone, which
+equals the update of the whole parameters only for an optimizer that acts
+element by element (all of :mod:`dpfunc.optim`). ``init`` checks this on a
+small probe and refuses an optimizer whose sharded update differs (one that
+reads a norm or a shape of a whole leaf, as factored or layer-adaptive
+optimizers do).
+
+**Memory.** Persistently each rank holds ``1/W`` of the parameters, of the
+optimizer state and of the noise history. During a step it holds the whole
+parameters (gathered once per logical step, not layer by layer) and the
+float64 clipped sum of the whole model, as data-parallel training does; the
+per-example work is the same as on one process for the rank's share.
+
+Build it with ``dpfunc.distributed.make_train_step(..., shard=True)``,
+``Trainer(..., shard=True)`` or ``PrivateGradients(..., shard=True)``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import optim
+from .tree import Params, PyTree, tree_leaves, tree_structure
+
+__all__ = ["Sharding", "check_elementwise", "collectives"]
+
+# flat-tensor collectives: their newer names where this torch has them
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class Sharding:
+    """The dim-0 layout of a parameter tree over ``world_size`` ranks, and its collectives.
+
+    Built from the whole parameters (their shapes, dtypes and devices).
+    ``shard`` cuts a whole tree into this rank's rows, ``unshard`` gathers
+    every rank's rows into whole leaves, ``reduce_scatter`` sums whole
+    trees over the ranks and leaves this rank its rows of the sum.
+
+    Args:
+        params: the whole parameters (any tree of tensors).
+        rank, world_size: this rank and the number of ranks.
+    """
+
+    def __init__(self, params: Params, rank: int, world_size: int):
+        leaves = tree_leaves(params)
+        self.treedef = tree_structure(params)
+        self.shapes = [tuple(x.shape) for x in leaves]  # the whole leaves'
+        self.rank, self.world_size = rank, world_size
+        # each leaf as rows: a 0-d leaf is one row
+        self.row_counts = [shape[0] if shape else 1 for shape in self.shapes]
+        self.row_sizes = [math.prod(shape[1:]) for shape in self.shapes]
+        self.chunks = [math.ceil(rows / world_size) for rows in self.row_counts]
+
+    def rows(self, leaf: int, rank: int | None = None) -> tuple[int, int]:
+        """``(start, stop)``: the rows of leaf ``leaf`` that ``rank`` (default: this one) holds."""
+        rank = self.rank if rank is None else rank
+        rows, chunk = self.row_counts[leaf], self.chunks[leaf]
+        return min(rank * chunk, rows), min((rank + 1) * chunk, rows)
+
+    def local_shape(self, leaf: int, rank: int | None = None) -> tuple[int, ...]:
+        """The shape of this rank's (or ``rank``'s) rows of leaf ``leaf``."""
+        start, stop = self.rows(leaf, rank)
+        return (stop - start, *self.shapes[leaf][1:])
+
+    def noise_rows(self) -> list[tuple[tuple[int, ...], int, int]]:
+        """For :func:`dpfunc.standard_normal_like`'s ``rows``: each leaf's whole shape and rows."""
+        return [
+            ((self.row_counts[i], *shape[1:]), *self.rows(i)) for i, shape in enumerate(self.shapes)
+        ]
+
+    def shard(self, params: Params) -> Params:
+        """This rank's rows of the whole ``params`` (copies: the whole tree may then be freed)."""
+        self.check(params, whole=True)
+        shards = []
+        for i, leaf in enumerate(tree_leaves(params)):
+            start, stop = self.rows(i)
+            shards.append(leaf.reshape(self.row_counts[i], *leaf.shape[1:])[start:stop].clone())
+        return self.treedef.unflatten(shards)
+
+    def check(self, tree: PyTree, *, whole: bool, what: str = "params") -> None:
+        """Raises ``ValueError`` unless ``tree`` has this layout's leaves, whole or this rank's."""
+        leaves = tree_leaves(tree)
+        expected = self.shapes if whole else [self.local_shape(i) for i in range(len(self.shapes))]
+        got = [tuple(x.shape) for x in leaves]
+        if tree_structure(tree) != self.treedef or got != expected:
+            kind = "the whole parameters" if whole else f"rank {self.rank}'s shards"
+            raise ValueError(
+                f"{what} must be {kind}, shaped {expected}, got shapes {got}: a sharded step "
+                "holds each rank's rows of every parameter (step.init cuts them), and gathers "
+                "the whole ones itself (step.full_params(state))"
+            )
+
+    def unshard(self, shards: Params, step: int | Tensor | None = None) -> Params:
+        """The whole parameters from every rank's rows: one all-gather per (dtype, device).
+
+        Collective. The result is the same on every rank, bit for bit.
+        """
+        from .distributed import _collective
+
+        self.check(shards, whole=False)
+        leaves = tree_leaves(shards)
+        whole: list[Tensor | None] = [None] * len(leaves)
+        for positions in _buckets(leaves).values():
+            sizes = [self.chunks[i] * self.row_sizes[i] for i in positions]
+            send = torch.cat(
+                [_padded(leaves[i].reshape(-1), size) for i, size in zip(positions, sizes)]
+            )
+            out = send.new_empty(self.world_size * send.numel())
+            _collective(
+                "all_gather of the parameter shards",
+                step,
+                lambda out=out, send=send: _ALL_GATHER(out, send),
+            )
+            by_rank = out.view(self.world_size, -1)
+            offset = 0
+            for i, size in zip(positions, sizes):
+                rows = by_rank[:, offset : offset + size].reshape(-1)
+                whole[i] = rows[: self.row_counts[i] * self.row_sizes[i]].view(self.shapes[i])
+                offset += size
+        return self.treedef.unflatten(whole)
+
+    def reduce_scatter(self, summed: Params, step: int | Tensor | None = None) -> Params:
+        """This rank's rows of ``summed`` summed over the ranks: one reduce-scatter per dtype.
+
+        Collective; ``summed`` is each rank's whole tree (a float64 clipped sum).
+        """
+        from .distributed import _collective
+
+        self.check(summed, whole=True, what="summed")
+        leaves = tree_leaves(summed)
+        mine: list[Tensor | None] = [None] * len(leaves)
+        for positions in _buckets(leaves).values():
+            parts = []  # each leaf as [world_size, chunk * row_size], zero-padded rows
+            for i in positions:
+                flat = _padded(
+                    leaves[i].reshape(-1), self.world_size * self.chunks[i] * self.row_sizes[i]
+                )
+                parts.append(flat.view(self.world_size, -1))
+            send = torch.cat(parts, dim=1).reshape(-1)
+            out = send.new_empty(send.numel() // self.world_size)
+            _collective(
+                "reduce_scatter of the clipped gradient sum",
+                step,
+                lambda out=out, send=send: _REDUCE_SCATTER(out, send),
+            )
+            offset = 0
+            for i in positions:
+                size = self.chunks[i] * self.row_sizes[i]
+                shape = self.local_shape(i)
+                mine[i] = out[offset : offset + math.prod(shape)].view(shape)
+                offset += size
+        return self.treedef.unflatten(mine)
+
+
+def _buckets(leaves: list[Tensor]) -> dict[tuple[torch.dtype, torch.device], list[int]]:
+    buckets: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for position, leaf in enumerate(leaves):
+        buckets.setdefault((leaf.dtype, leaf.device), []).append(position)
+    return buckets
+
+
+def _padded(flat: Tensor, size: int) -> Tensor:
+    """``flat`` with zeros appended up to ``size`` elements."""
+    return torch.nn.functional.pad(flat, (0, size - flat.numel())) if flat.numel() < size else flat
+
+
+def check_elementwise(
+    optimizer: optim.GradientTransformation, params: Params, world_size: int
+) -> None:
+    """Refuses an optimizer whose update of rows differs from its update of whole leaves.
+
+    A sharded step updates each rank's rows alone. Two steps of the
+    optimizer run on a small probe shaped like ``params`` (every leaf with
+    ``2 * world_size + 1`` rows and at most 2 columns per other dim): once
+    whole, once cut in ``world_size`` row chunks; the updates must agree
+    to float rounding.
+
+    Raises:
+        ValueError: the updates differ (the optimizer reads a leaf as a whole).
+    """
+    generator = torch.Generator().manual_seed(0)  # a public probe, no data
+    rows = 2 * world_size + 1
+
+    def probe_like(x: Tensor) -> Tensor:
+        shape = (rows, *[min(s, 2) for s in x.shape[1:]])
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+    treedef = tree_structure(params)
+    probe = treedef.unflatten([probe_like(x) for x in tree_leaves(params)])
+    grads = treedef.unflatten(
+        [torch.linspace(-1, 1, x.numel()).view(x.shape) + 0.5 for x in tree_leaves(probe)]
+    )
+    layout = Sharding(probe, 0, world_size)
+    whole = _two_updates(optimizer, probe, grads)
+    pieces = []
+    for rank in range(world_size):
+        layout.rank = rank
+        rows = _two_updates(optimizer, layout.shard(probe), layout.shard(grads))
+        pieces.append(tree_leaves(rows))
+    for i, leaf in enumerate(tree_leaves(whole)):
+        joined = torch.cat([piece[i] for piece in pieces])
+        if not torch.allclose(joined, leaf, rtol=1e-5, atol=1e-7):
+            raise ValueError(
+                "optimizer updates a parameter's rows differently from the whole parameter, so "
+                "a sharded step (each rank updates its rows alone) would not equal one process: "
+                "use an element-wise optimizer (any of dpfunc.optim), or shard=False"
+            )
+
+
+def _two_updates(optimizer: optim.GradientTransformation, params: Params, grads: Params) -> Params:
+    state = optimizer.init(params)
+    total = None
+    for _ in range(2):
+        updates, state = optimizer.update(grads, state, params)
+        total = (
+            updates
+            if total is None
+            else tree_structure(params).unflatten(
+                [a + b for a, b in zip(tree_leaves(total), tree_leaves(updates))]
+            )
+        )
+    return total
+
+
+def collectives(config: Any, optimizer: optim.GradientTransformation) -> Any:
+    """``torch.distributed``'s collectives for a sharded :class:`~dpfunc.TrainStep` of ``config``.
+
+    ``start`` checks the ranks' settings, takes rank 0's parameters, checks
+    that ``optimizer`` acts element by element (:func:`check_elementwise`)
+    and keeps this rank's rows; ``unshard`` gathers the whole parameters,
+    ``reduce`` reduce-scatters the clipped sum, ``gather`` all-gathers the
+    per-example stats (as data-parallel), and ``noise_rows`` names this
+    rank's rows of the noise tree.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+    """
+    from . import distributed as _distributed
+    from .step import Collectives
+
+    _distributed._require_group("dpfunc.distributed.make_train_step(shard=True)")
+    rank, world_size = _distributed.rank_and_world_size()
+    layouts: list[Sharding] = []  # the layout of the parameters init was called with
+
+    def layout() -> Sharding:
+        if not layouts:
+            raise RuntimeError(
+                "a sharded step learns its layout in step.init(params); call init first"
+            )
+        return layouts[-1]
+
+    def start(params: Params) -> Params:
+        _distributed.check_step_settings(config, params, sharded=True)
+        check_elementwise(optimizer, params, world_size)
+        whole = _distributed.broadcast_from_rank0(params)
+        layouts[:] = [Sharding(whole, rank, world_size)]
+        return layouts[0].shard(whole)
+
+    def noise_rows(params: Params) -> list:
+        layout().check(params, whole=False)
+        return layout().noise_rows()
+
+    return Collectives(
+        reduce=lambda summed, step: layout().reduce_scatter(summed, step),
+        gather=lambda stats, step: _distributed.gather_stats(stats, step=step),
+        start=start,
+        distributed=True,
+        unshard=lambda params, step=None: layout().unshard(params, step),
+        noise_rows=noise_rows,
+        sharded=True,
+        layout=layout,
+    )
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def state_dims(init: Any, layout: Sharding) -> list[tuple[tuple[int, ...], int] | None]:
+    """Which leaves of ``init(rows)`` are cut with the parameters: ``(whole shape, dim)`` each.
+
+    ``init`` builds a state from parameter rows (``optimizer.init``, the
+    noise mechanism's ``init``). It runs twice on ``meta`` tensors, once on
+    the whole parameters (as rows) and once with one row more in each: a
+    leaf whose size changes along one dim is cut along it; ``None`` marks a
+    leaf every rank holds whole (a step count).
+    """
+
+    def rows(extra: int) -> Params:
+        leaves = [
+            torch.empty(layout.row_counts[i] + extra, *shape[1:], device="meta")
+            for i, shape in enumerate(layout.shapes)
+        ]
+        return layout.treedef.unflatten(leaves)
+
+    dims: list[tuple[tuple[int, ...], int] | None] = []
+    for a, b in zip(tree_leaves(init(rows(0))), tree_leaves(init(rows(1))), strict=True):
+        changed = [d for d, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
+        dims.append((tuple(a.shape), changed[0]) if changed else None)
+    return dims
+
+
+def as_dtensors(tree: PyTree, dims: list, device: torch.device) -> dict[str, Tensor]:
+    """``tree``'s leaves by position, the cut ones as ``DTensor`` shards over every rank.
+
+    The ``DTensor`` s (``Shard(dim)`` on a 1-D mesh of the world, ``torch.chunk``
+    rows) are what ``torch.distributed.checkpoint`` saves and re-cuts for
+    another number of ranks; the leaves whole on every rank stay tensors.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    out: dict[str, Tensor] = {}
+    for i, (leaf, dim) in enumerate(zip(tree_leaves(tree), dims, strict=True)):
+        if dim is None:
+            out[str(i)] = leaf
+            continue
+        shape, axis = dim
+        stride = torch.empty(shape, device="meta").stride()
+        out[str(i)] = DTensor.from_local(
+            leaf.contiguous(),
+            mesh,
+            [Shard(axis)],
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=stride,
+        )
+    return out
+
+
+def from_dtensors(tree: PyTree, loaded: dict[str, Tensor]) -> PyTree:
+    """``tree`` with its leaves replaced by ``loaded``'s (this rank's rows of the cut ones)."""
+    from torch.distributed.tensor import DTensor
+
+    leaves = [
+        loaded[str(i)].to_local() if isinstance(loaded[str(i)], DTensor) else loaded[str(i)]
+        for i in range(len(tree_leaves(tree)))
+    ]
+    return tree_structure(tree).unflatten(leaves)

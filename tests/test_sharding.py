@@ -1,0 +1,367 @@
+"""Sharded DP-SGD on torch.distributed: 2 and 4 gloo processes equal one process.
+
+Each test launches this file as a script on W ranks (``python test_sharding.py
+SCENARIO OUTDIR TIMEOUT_S`` with MASTER_ADDR, MASTER_PORT, RANK and
+WORLD_SIZE set, as torchrun would); the ranks write what they computed, and
+the test compares it with a single-process run computed here. One launch
+per world size serves several checks: starting a rank costs seconds here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import dpfunc
+from dpfunc import data
+from dpfunc.sharding import Sharding, state_dims
+
+N = 40  # examples
+SAMPLE_RATE = 0.15  # expected batch 6: several micro-batches of PHYSICAL rows per rank
+PHYSICAL = 2
+STEPS = 3
+SEED = 11  # a public seed: reproducible test runs, no privacy
+GUARD_S = 240.0  # an overall limit on every launch
+CONFIGS = {  # the privacy mechanisms a sharded step must carry over
+    "plain": {},
+    "adaptive": dict(target_quantile=0.5, count_noise_multiplier=2.0, clip_norm=0.1),
+    "bands": dict(bands=2),
+}
+TRAINER = dict(
+    epochs=1,  # 7 steps of expected size 6
+    optimizer=dpfunc.optim.adam(lr=0.05),
+    expected_batch_size=6,
+    clip_norm=0.5,
+    noise_multiplier=1.0,
+    delta=1e-3,
+    physical_batch_size=2,
+    accounting="rdp",
+    seed=3,
+    progress=False,
+)
+RESUME_AT = 3
+
+
+class Transformer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.block = nn.TransformerEncoderLayer(8, 2, 12, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.block(self.embed(tokens)).mean(dim=1))
+
+
+def problem(kind: str, model_seed: int = 0):
+    """(model, loss_fn, params, dataset, method) of one model family."""
+    torch.manual_seed(model_seed)
+    g = torch.Generator().manual_seed(123)
+    y = torch.randint(0, 3, (N,), generator=g)
+    if kind == "mlp":
+        model = nn.Sequential(nn.Linear(4, 9), nn.Tanh(), nn.Linear(9, 3))
+        x, method = torch.randn(N, 4, generator=g) * 2, "ghost"
+    elif kind == "cnn":
+        model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(48, 3))
+        x, method = torch.randn(N, 1, 6, 6, generator=g), "auto"
+    else:
+        model = Transformer()
+        x, method = torch.randint(0, 10, (N, 5), generator=g), "vmap"
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (xi.unsqueeze(0),)), yi[None])
+
+    return model, loss_fn, params, (x, y), method
+
+
+def run_steps(kind: str, config: str, make, rank: int = 0, world_size: int = 1, **shard):
+    """STEPS logical steps of the functional step; returns the whole parameters and the rest."""
+    model, loss_fn, params, dataset, method = problem(kind, model_seed=rank)
+    settings = dict(clip_norm=0.5, noise_multiplier=0.8, expected_batch_size=SAMPLE_RATE * N)
+    settings.update(CONFIGS[config])
+    optimizer = dpfunc.optim.adam(lr=0.05)
+    step = make(loss_fn, optimizer, model=model, method=method, **settings, **shard)
+    state = step.init(params)
+    batches = data.PoissonBatches(
+        dataset, SAMPLE_RATE, PHYSICAL, seed=SEED, rank=rank, world_size=world_size
+    )
+    for t in range(STEPS):
+        micro, _ = batches.logical_batch(t)
+        noise = step.draw_noise(state.params, seed=SEED, step=t)
+        state, _ = step.logical_step(state, micro, noise)
+    return step, state
+
+
+def state_bytes(tree) -> int:
+    return sum(x.numel() * x.element_size() for x in dpfunc.tree.tree_leaves(tree))
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def worker(scenario: str, outdir: str, timeout_s: float) -> int:
+    torch.set_num_threads(1)
+    info = dpfunc.distributed.init(timeout_s=timeout_s)
+    rank, world_size = info.rank, info.world_size
+    try:
+        if scenario == "equal":
+            result = equal_worker(rank, world_size, outdir)
+        elif scenario == "resume":
+            result = resume_worker(outdir)
+        elif scenario == "die":
+            return die_worker(rank, outdir)
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dpfunc.distributed.shutdown()
+    return 0
+
+
+def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
+    result = {}
+    make = dpfunc.distributed.make_train_step
+    for kind in ("mlp", "cnn", "transformer"):
+        for config in CONFIGS:
+            step, state = run_steps(kind, config, make, rank, world_size, shard=True)
+            result[kind, config] = {
+                "params": step.full_params(state),
+                "rows": state.params,
+                "bytes": {
+                    "params": state_bytes(state.params),
+                    "opt_state": state_bytes(state.opt_state),
+                    "noise_state": state_bytes(state.noise_state.history),
+                },
+            }
+    # the Trainer, sharded, with a sharded checkpoint at RESUME_AT
+    first = dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
+    first.fit(max_steps=RESUME_AT)
+    first.save(os.path.join(outdir, f"run{world_size}"))
+    first.fit()
+    result["trainer"] = {"params": first.full_params(), "epsilon": first.epsilon()}
+    return result
+
+
+def trainer_problem():
+    _, loss_fn, params, dataset, _ = problem("mlp")
+    return loss_fn, params, dataset
+
+
+def resume_worker(outdir: str) -> dict:
+    """A fresh sharded Trainer continues each saved run (2 ranks' and, on 4, 4 ranks')."""
+    out = {}
+    for saved in sorted(f for f in os.listdir(outdir) if os.path.isdir(os.path.join(outdir, f))):
+        resumed = dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
+        resumed.load(os.path.join(outdir, saved))
+        loaded = resumed.steps_done
+        resumed.fit()
+        out[saved] = {"params": resumed.full_params(), "loaded": loaded}
+    return out
+
+
+def die_worker(rank: int, outdir: str) -> int:
+    """Rank 1 dies after the first checkpoint; rank 0 must fail with a clear error."""
+    path = os.path.join(outdir, "dying")
+    trainer = dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
+    trainer.fit(max_steps=2)
+    trainer.save(path)
+    if rank == 1:
+        os._exit(17)  # dies without a word to the others
+    started = time.monotonic()
+    try:
+        trainer.fit()
+    except RuntimeError as error:
+        report = f"{type(error).__name__}\n{time.monotonic() - started:.3f}\n{error}"
+        with open(os.path.join(outdir, "rank0.err"), "w") as f:
+            f.write(report)
+        return 3
+    return 0
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario, outdir, world_size, timeout_s=60.0, wait_for=None):
+    """Runs the scenario on ``world_size`` ranks; returns [(returncode, log)] of ``wait_for``."""
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world_size):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            OMP_NUM_THREADS="1",
+        )
+        log = open(os.path.join(outdir, f"{scenario}{world_size}-rank{rank}.log"), "w+")  # noqa: SIM115
+        command = [sys.executable, __file__, scenario, str(outdir), str(timeout_s)]
+        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+        logs.append(log)
+    deadline = time.monotonic() + GUARD_S
+    try:
+        results = []
+        for rank in range(world_size) if wait_for is None else wait_for:
+            try:
+                procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {rank} of scenario {scenario!r} still runs after {GUARD_S}s")
+            logs[rank].seek(0)
+            results.append((procs[rank].returncode, logs[rank].read()))
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+
+
+def assert_ok(results):
+    for rank, (code, log) in enumerate(results):
+        assert code == 0, f"rank {rank} exited with {code}:\n{log[-4000:]}"
+
+
+def load_ranks(outdir, world_size):
+    return [
+        torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
+        for r in range(world_size)
+    ]
+
+
+# --------------------------------------------------------------------------- tests
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available",
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The 'equal' scenario on 2 and on 4 ranks, sharing one folder of checkpoints."""
+    outdir = tmp_path_factory.mktemp("sharded")
+    out = {}
+    for world_size in (2, 4):
+        assert_ok(launch("equal", outdir, world_size))
+        out[world_size] = load_ranks(outdir, world_size)
+    return outdir, out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "transformer"])
+def test_sharded_steps_equal_one_process(runs, world_size, kind):
+    ranks = runs[1][world_size]
+    for config in CONFIGS:
+        step, alone = run_steps(kind, config, dpfunc.make_train_step)
+        for name, value in alone.params.items():
+            got = [r[kind, config]["params"][name] for r in ranks]
+            for other in got[1:]:  # every rank gathers the same whole parameters
+                assert torch.equal(other, got[0])
+            torch.testing.assert_close(got[0], value, rtol=0, atol=2e-6, msg=(kind, config, name))
+            assert not torch.equal(value, problem(kind)[2][name])  # it trained
+            rows = torch.cat([r[kind, config]["rows"][name].reshape(-1) for r in ranks])
+            assert torch.equal(rows, got[0].reshape(-1))  # the rows are the parameter, cut
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_rank_holds_its_share_of_the_state(runs, world_size):
+    ranks = runs[1][world_size]
+    for kind in ("mlp", "transformer"):
+        for config in ("plain", "bands"):
+            step, alone = run_steps(kind, config, dpfunc.make_train_step)
+            layout = Sharding(alone.params, 0, world_size)
+            inits = {
+                "params": lambda rows: rows,
+                "opt_state": step.optimizer.init,
+                "noise_state": step.noise_mechanism.init,
+            }
+            parts = {
+                "params": alone.params,
+                "opt_state": alone.opt_state,
+                "noise_state": alone.noise_state,
+            }
+            for part, tree in parts.items():
+                dims = state_dims(inits[part], layout)
+                for rank, r in enumerate(ranks):
+                    expected = 0  # the rows of each cut leaf, every leaf held whole
+                    for leaf, dim in zip(dpfunc.tree.tree_leaves(tree), dims):
+                        size = leaf.numel() * leaf.element_size()
+                        if dim is None:
+                            expected += size
+                            continue
+                        (shape, axis), chunk = dim, math.ceil(dim[0][dim[1]] / world_size)
+                        held = max(0, min(shape[axis], (rank + 1) * chunk) - rank * chunk)
+                        expected += size // shape[axis] * held
+                    assert r[kind, config]["bytes"][part] == expected, (kind, config, part, rank)
+                whole = state_bytes(tree)
+                held = [r[kind, config]["bytes"][part] for r in ranks]
+                if whole:  # about 1/world each: at most one more row of every leaf
+                    assert max(held) < whole / world_size * 1.5 + 200, (kind, part, held, whole)
+
+
+def test_trainer_resumes_sharded_bit_identically_and_on_more_ranks(runs):
+    outdir, out = runs
+    single = dpfunc.Trainer(*trainer_problem(), distributed=False, **TRAINER)
+    single.fit()
+    for world_size in (2, 4):
+        for r in out[world_size]:
+            assert r["trainer"]["epsilon"] == single.epsilon()
+            for name, value in single.params.items():
+                torch.testing.assert_close(r["trainer"]["params"][name], value, rtol=0, atol=2e-6)
+    for world_size in (2, 4):
+        assert_ok(launch("resume", outdir, world_size))
+        resumed = load_ranks(outdir, world_size)
+        for r in resumed:
+            for saved, saved_world in (("run2", 2), ("run4", 4)):
+                assert r[saved]["loaded"] == RESUME_AT
+                uninterrupted = out[saved_world][0]["trainer"]["params"]
+                for name, value in r[saved]["params"].items():
+                    if saved_world == world_size:  # the same ranks: bit-identical
+                        assert torch.equal(value, uninterrupted[name]), (saved, world_size, name)
+                    else:  # another number of ranks: the sums round differently
+                        torch.testing.assert_close(value, uninterrupted[name], rtol=0, atol=2e-6)
+
+
+def test_a_dead_rank_fails_the_other_clearly_and_the_checkpoint_survives(tmp_path):
+    started = time.monotonic()
+    ((code, log),) = launch("die", tmp_path, 2, timeout_s=10.0, wait_for=(0,))
+    assert code == 3, f"rank 0 exited with {code}, expected the caught error:\n{log[-3000:]}"
+    kind, waited, message = (tmp_path / "rank0.err").read_text().split("\n", 2)
+    assert kind == "CollectiveError" and "rank 0 of 2" in message
+    assert float(waited) < 10.0 + 3.0 and time.monotonic() - started < GUARD_S
+    assert_ok(launch("resume", tmp_path, 2))  # the last checkpoint loads
+    resumed = load_ranks(tmp_path, 2)
+    assert resumed[0]["dying"]["loaded"] == 2
+
+
+def test_shard_needs_a_distributed_run():
+    with pytest.raises(ValueError, match="shard=True splits the model over the ranks"):
+        dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
+    with pytest.raises(TypeError, match="shard must be a bool"):
+        dpfunc.Trainer(*trainer_problem(), shard="yes", **TRAINER)
+
+
+if __name__ == "__main__":
+    sys.exit(worker(sys.argv[1], sys.argv[2], float(sys.argv[3])))
