@@ -97,6 +97,7 @@ from . import optim
 from .config import DPConfig, config_from
 from .noise import SECRET_BITS, secret_seed
 from .per_sample import LossFn
+from .sharding import Sharding, check_elementwise
 from .step import Collectives, ExampleStats, TrainStep
 from .tree import Params, PyTree, tree_leaves, tree_structure
 
@@ -116,6 +117,7 @@ __all__ = [
     "rank_and_world_size",
     "resolve",
     "shared_secret_seed",
+    "sharded_collectives",
     "shutdown",
 ]
 
@@ -502,6 +504,61 @@ def collectives(config: DPConfig) -> Collectives:
     return Collectives(reduce=reduce, gather=gather, start=start, distributed=True)
 
 
+def sharded_collectives(config: DPConfig, optimizer: optim.GradientTransformation) -> Collectives:
+    """The collectives of a sharded :class:`~dpfunc.TrainStep` (:mod:`dpfunc.sharding`).
+
+    ``start`` checks the ranks' settings, checks that ``optimizer`` acts
+    element by element (:func:`dpfunc.sharding.check_elementwise`), takes
+    rank 0's parameters and keeps this rank's rows; ``unshard`` gathers the
+    whole parameters, ``reduce`` reduce-scatters the clipped sum, ``gather``
+    all-gathers the per-example stats (as :func:`collectives`), and
+    ``noise_rows`` names this rank's rows of the noise tree.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+    """
+    _require_group("dpfunc.distributed.make_train_step(shard=True)")
+    rank, world_size = rank_and_world_size()
+    layouts: list[Sharding] = []  # the layout of the parameters init was called with
+
+    def layout() -> Sharding:
+        if not layouts:
+            raise RuntimeError(
+                "a sharded step learns its layout in step.init(params); call init first"
+            )
+        return layouts[-1]
+
+    def start(params: Params) -> Params:
+        check_step_settings(config, params, sharded=True)
+        check_elementwise(optimizer, params, world_size)
+        whole = broadcast_from_rank0(params)
+        layouts[:] = [Sharding(whole, rank, world_size)]
+        return layouts[0].shard(whole)
+
+    def unshard(params: Params, step: int | Tensor | None = None) -> Params:
+        what = "all_gather of the parameter shards"
+        return _collective(what, step, lambda: layout().unshard(params))
+
+    def reduce(summed: Params, step: int | Tensor | None) -> Params:
+        what = "reduce_scatter of the clipped gradient sum"
+        return _collective(what, step, lambda: layout().reduce_scatter(summed))
+
+    def noise_rows(params: Params) -> list:
+        layout().check(params, whole=False)
+        return layout().noise_rows()
+
+    return Collectives(
+        reduce=reduce,
+        gather=lambda stats, step: gather_stats(stats, step=step),
+        start=start,
+        distributed=True,
+        unshard=unshard,
+        noise_rows=noise_rows,
+        sharded=True,
+        layout=layout,
+    )
+
+
 def check_step_settings(config: DPConfig, params: Params, **more: Any) -> None:
     """Raises ``ValueError`` on every rank unless the ranks' step settings and shapes agree."""
     check_same_across_ranks(
@@ -572,12 +629,7 @@ def make_train_step(
     config = config_from("dpfunc.distributed.make_train_step", config, settings)
     if not isinstance(shard, bool):
         raise TypeError(f"shard must be a bool, got shard={shard!r}")
-    if shard:
-        from .sharding import collectives as sharded_collectives
-
-        chosen = sharded_collectives(config, optimizer)
-    else:
-        chosen = collectives(config)
+    chosen = sharded_collectives(config, optimizer) if shard else collectives(config)
     return TrainStep(
         loss_fn,
         optimizer,

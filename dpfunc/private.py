@@ -36,22 +36,23 @@ train tensors the gradient is never written to. Build ``PrivateGradients``
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from . import checkpoint as _checkpoint
-from . import distributed as _distributed
 from . import optim
 from .checks import check_choice, check_int
 from .config import DPConfig, config_from
 from .data import MicroBatch
+from .distributed import broadcast_from_rank0
 from .functional import functionalize
 from .per_sample import LossFn
 from .plan import PlannedRun, RunPlan
+from .sharding import fsdp_hooks_off, shard_module
 from .step import NONFINITE, NoiseAhead, StepNoise, TrainState
-from .step import make_train_step as _make_train_step
 from .tree import Params, tree_map
 
 __all__ = ["LogicalBatch", "PrivateGradients"]
@@ -100,6 +101,15 @@ class PrivateGradients(PlannedRun):
         nonfinite, memory_budget: as for :class:`dpfunc.Trainer` (``seed=None``, the
         default, draws a secret; ``method="auto"`` uses ghost clipping where
         it is cheaper).
+        shard: ``True`` (distributed runs only) shards the model with FSDP2's
+            ``fully_shard`` unless it is already (:func:`dpfunc.sharding.shard_module`):
+            every trainable parameter becomes a ``DTensor`` of this rank's
+            rows (of rank 0's parameters, unless the model came sharded), so
+            the optimizer built on ``model.parameters()`` AFTER this keeps
+            1/world of its state, and :meth:`backward` writes
+            each rank's rows of the private gradient, equal to the single
+            process's (:mod:`dpfunc.sharding`). Save the model and the
+            optimizer with ``torch.distributed.checkpoint``.
 
     Raises:
         ValueError, TypeError: an argument is invalid; all are checked here.
@@ -120,6 +130,7 @@ class PrivateGradients(PlannedRun):
         distributed: bool | None = None,
         nonfinite: str = "warn",
         memory_budget: int | None = None,
+        shard: bool = False,
         **settings: Any,
     ):
         if not isinstance(model, nn.Module):
@@ -128,8 +139,7 @@ class PrivateGradients(PlannedRun):
         check_choice("nonfinite", nonfinite, NONFINITE)
         functionalize(model)  # refuses BatchNorm; lets vmap see recurrent layers' hidden state
         self.model = model
-        self._trainable = _trainable(model)  # what backward may write to, checked each time
-        if not self._trainable:
+        if not _trainable(model):
             raise ValueError("model has no parameter with requires_grad=True: nothing to train")
         self.plan = plan = RunPlan(
             "PrivateGradients",
@@ -141,20 +151,28 @@ class PrivateGradients(PlannedRun):
             require_epochs=False,
         )
         self.config = plan.config
-        make_step = _distributed.make_train_step if plan.distributed else _make_train_step
-        self.step_fn = make_step(  # the optimizer is the user's: an identity stands in
-            loss_fn, optim.chain(), plan.config, model=model, method=method,
-            chunk_size=chunk_size, memory_budget=memory_budget,
+        self.step_fn = plan.make_step(  # the optimizer is the user's: an identity stands in
+            loss_fn, optim.chain(), model=model, method=method, chunk_size=chunk_size,
+            memory_budget=memory_budget, shard=shard,
         )  # fmt: skip
+        if shard:  # rank 0's parameters everywhere, then fully_shard keeps each rank's rows
+            _copy_rank0_parameters(model)
+            shard_module(model)
+        self._trainable = _trainable(model)  # what backward may write to, checked each time
         if compile:
             self.step_fn.compile()
         self.nonfinite = nonfinite
         self._warned_nonfinite = False
-        self.state: TrainState = self.step_fn.init(self._live_params())  # distributed: rank 0's
+        whole = (
+            {name: p.full_tensor().detach() for name, p in self._trainable}
+            if shard
+            else self._live_params()
+        )
+        self.state: TrainState = self.step_fn.init(whole)  # distributed: rank 0's (rows)
         if plan.distributed:  # every rank's model starts from rank 0's parameters
             with torch.no_grad():
                 for name, p in self._trainable:
-                    p.copy_(self.state.params[name])
+                    _local(p).copy_(self.state.params[name])
         self.accountant = plan.config.accountant()
         self.history: list[dict[str, float]] = []  # for checkpoints; PrivateGradients keeps none
         self._noise = NoiseAhead(self.step_fn)
@@ -239,13 +257,18 @@ class PrivateGradients(PlannedRun):
         state = self._state_for(params)
         noise = self._draw_noise(params, t)
         metrics: dict[str, float] = {}
-        private, state, _ = self.step_fn.logical_gradient(
-            state, batch.micro_batches, noise, before_release=self._before_release(t, metrics)
-        )
+        with fsdp_hooks_off(self.model) if self.step_fn.sharded else nullcontext():
+            private, state, _ = self.step_fn.logical_gradient(
+                state, batch.micro_batches, noise, before_release=self._before_release(t, metrics)
+            )
         for name, p in self._trainable:
-            p.grad = private[name].to(p.dtype)
+            p.grad = _like(p, private[name].to(p.dtype))
         self.state = state._replace(params=params)
         return metrics
+
+    def full_params(self) -> Params:
+        """The model's whole trainable parameters now (detached; sharded: gathered, collective)."""
+        return self.step_fn.full_params(self.state._replace(params=self._live_params()))
 
     def state_dict(self) -> dict[str, Any]:
         """What an exact resume needs besides the model's and the optimizer's own state dicts.
@@ -257,7 +280,10 @@ class PrivateGradients(PlannedRun):
         ``torch.save`` next to ``model.state_dict()`` and
         ``optimizer.state_dict()``, where the data is kept.
         """
-        return _checkpoint.state_dict(self, _PARTS)
+        saved = _checkpoint.state_dict(self, _PARTS)
+        if self.step_fn.sharded and self.bands > 1:  # the noise history holds this rank's rows
+            saved["rows_of"] = [self.rank, self.world_size]
+        return saved
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` of an identically set-up run; the next step continues it.
@@ -271,6 +297,14 @@ class PrivateGradients(PlannedRun):
             ValueError: of another run's settings (each difference named),
                 seed or version, or malformed; nothing changes then.
         """
+        mine = [self.rank, self.world_size] if self.step_fn.sharded and self.bands > 1 else None
+        if isinstance(state_dict, dict) and state_dict.get("rows_of") != mine:
+            raise ValueError(
+                "state_dict holds the noise history rows of (rank, world size) "
+                f"{state_dict.get('rows_of')}, not this one's {mine}: a sharded run with "
+                "bands > 1 saves each rank's rows; load each rank's own state_dict on the same "
+                "number of ranks"
+            )
         self.restore(*_checkpoint.from_state_dict(self, state_dict, "state_dict", _PARTS))
 
     def _live_params(self) -> Params:
@@ -295,7 +329,7 @@ class PrivateGradients(PlannedRun):
                     "parameters); an optimizer built on the old one would never see its "
                     "gradient. Build PrivateGradients and the optimizer again"
                 )
-        return {name: p.detach() for name, p in now}
+        return {name: _local(p).detach() for name, p in now}
 
     def _state_for(self, params: Params) -> TrainState:
         """The train state on the parameters' devices and dtypes (the model may have moved)."""
@@ -323,6 +357,37 @@ class PrivateGradients(PlannedRun):
             f"noise_multiplier={self.noise_multiplier:.6g}, clip_norm={self.clip_norm:.6g}, "
             f"expected_batch_size={self.expected_batch_size:g})"
         )
+
+
+def _copy_rank0_parameters(model: nn.Module) -> None:
+    """Sets every rank's trainable parameters to rank 0's (collective; none yet sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    trainable = _trainable(model)
+    if any(isinstance(p, DTensor) for _, p in trainable):
+        return  # already sharded by the caller: the model is what its rows make up
+    whole = broadcast_from_rank0({name: p.detach() for name, p in trainable})
+    with torch.no_grad():
+        for name, p in trainable:
+            p.copy_(whole[name])
+
+
+def _local(p: Tensor) -> Tensor:
+    """A parameter's own values: this rank's rows of a sharded (``DTensor``) one."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
+def _like(p: Tensor, values: Tensor) -> Tensor:
+    """``values`` (``p``'s own values' shape) as a gradient for ``p``: a ``DTensor`` if ``p`` is."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return values
+    return DTensor.from_local(
+        values, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def _trainable(model: nn.Module) -> list[tuple[str, Tensor]]:

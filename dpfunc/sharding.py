@@ -67,7 +67,15 @@ from torch import Tensor
 from . import optim
 from .tree import Params, PyTree, tree_leaves, tree_structure
 
-__all__ = ["Sharding", "check_elementwise", "collectives"]
+__all__ = [
+    "Sharding",
+    "as_dtensors",
+    "check_elementwise",
+    "from_dtensors",
+    "fsdp_hooks_off",
+    "shard_module",
+    "state_dims",
+]
 
 # flat-tensor collectives: their newer names where this torch has them
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -136,13 +144,12 @@ class Sharding:
                 "the whole ones itself (step.full_params(state))"
             )
 
-    def unshard(self, shards: Params, step: int | Tensor | None = None) -> Params:
+    def unshard(self, shards: Params) -> Params:
         """The whole parameters from every rank's rows: one all-gather per (dtype, device).
 
-        Collective. The result is the same on every rank, bit for bit.
+        Collective (raw: :mod:`dpfunc.distributed` names its failures). The
+        result is the same on every rank, bit for bit.
         """
-        from .distributed import _collective
-
         self.check(shards, whole=False)
         leaves = tree_leaves(shards)
         whole: list[Tensor | None] = [None] * len(leaves)
@@ -152,11 +159,7 @@ class Sharding:
                 [_padded(leaves[i].reshape(-1), size) for i, size in zip(positions, sizes)]
             )
             out = send.new_empty(self.world_size * send.numel())
-            _collective(
-                "all_gather of the parameter shards",
-                step,
-                lambda out=out, send=send: _ALL_GATHER(out, send),
-            )
+            _ALL_GATHER(out, send)
             by_rank = out.view(self.world_size, -1)
             offset = 0
             for i, size in zip(positions, sizes):
@@ -165,13 +168,12 @@ class Sharding:
                 offset += size
         return self.treedef.unflatten(whole)
 
-    def reduce_scatter(self, summed: Params, step: int | Tensor | None = None) -> Params:
+    def reduce_scatter(self, summed: Params) -> Params:
         """This rank's rows of ``summed`` summed over the ranks: one reduce-scatter per dtype.
 
-        Collective; ``summed`` is each rank's whole tree (a float64 clipped sum).
+        Collective (raw, as :meth:`unshard`); ``summed`` is each rank's whole
+        tree (a float64 clipped sum).
         """
-        from .distributed import _collective
-
         self.check(summed, whole=True, what="summed")
         leaves = tree_leaves(summed)
         mine: list[Tensor | None] = [None] * len(leaves)
@@ -184,11 +186,7 @@ class Sharding:
                 parts.append(flat.view(self.world_size, -1))
             send = torch.cat(parts, dim=1).reshape(-1)
             out = send.new_empty(send.numel() // self.world_size)
-            _collective(
-                "reduce_scatter of the clipped gradient sum",
-                step,
-                lambda out=out, send=send: _REDUCE_SCATTER(out, send),
-            )
+            _REDUCE_SCATTER(out, send)
             offset = 0
             for i in positions:
                 size = self.chunks[i] * self.row_sizes[i]
@@ -268,56 +266,6 @@ def _two_updates(optimizer: optim.GradientTransformation, params: Params, grads:
     return total
 
 
-def collectives(config: Any, optimizer: optim.GradientTransformation) -> Any:
-    """``torch.distributed``'s collectives for a sharded :class:`~dpfunc.TrainStep` of ``config``.
-
-    ``start`` checks the ranks' settings, takes rank 0's parameters, checks
-    that ``optimizer`` acts element by element (:func:`check_elementwise`)
-    and keeps this rank's rows; ``unshard`` gathers the whole parameters,
-    ``reduce`` reduce-scatters the clipped sum, ``gather`` all-gathers the
-    per-example stats (as data-parallel), and ``noise_rows`` names this
-    rank's rows of the noise tree.
-
-    Raises:
-        RuntimeError: no process group is initialised.
-    """
-    from . import distributed as _distributed
-    from .step import Collectives
-
-    _distributed._require_group("dpfunc.distributed.make_train_step(shard=True)")
-    rank, world_size = _distributed.rank_and_world_size()
-    layouts: list[Sharding] = []  # the layout of the parameters init was called with
-
-    def layout() -> Sharding:
-        if not layouts:
-            raise RuntimeError(
-                "a sharded step learns its layout in step.init(params); call init first"
-            )
-        return layouts[-1]
-
-    def start(params: Params) -> Params:
-        _distributed.check_step_settings(config, params, sharded=True)
-        check_elementwise(optimizer, params, world_size)
-        whole = _distributed.broadcast_from_rank0(params)
-        layouts[:] = [Sharding(whole, rank, world_size)]
-        return layouts[0].shard(whole)
-
-    def noise_rows(params: Params) -> list:
-        layout().check(params, whole=False)
-        return layout().noise_rows()
-
-    return Collectives(
-        reduce=lambda summed, step: layout().reduce_scatter(summed, step),
-        gather=lambda stats, step: _distributed.gather_stats(stats, step=step),
-        start=start,
-        distributed=True,
-        unshard=lambda params, step=None: layout().unshard(params, step),
-        noise_rows=noise_rows,
-        sharded=True,
-        layout=layout,
-    )
-
-
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -383,3 +331,94 @@ def from_dtensors(tree: PyTree, loaded: dict[str, Tensor]) -> PyTree:
         for i in range(len(tree_leaves(tree)))
     ]
     return tree_structure(tree).unflatten(leaves)
+
+
+# --------------------------------------------------------------------------- FSDP2 modules
+
+
+def shard_module(model: torch.nn.Module) -> None:
+    """Shards ``model`` with FSDP2's ``fully_shard`` (unless it is already), then checks it.
+
+    Every trainable parameter becomes a ``DTensor`` of this rank's dim-0 rows
+    (FSDP2's default ``Shard(0)``), so a ``torch.optim`` optimizer built on
+    ``model.parameters()`` keeps its state for those rows only, the model's
+    own forward gathers what it needs (FSDP2's hooks), and
+    ``model.state_dict()`` is a sharded state dict for
+    ``torch.distributed.checkpoint``.
+
+    Raises:
+        ValueError: a trainable parameter is not sharded along dim 0 (a
+            ``shard_placement_fn`` that chose another dim), or is 0-d, or
+            ``fully_shard`` grouped modules (``fully_shard([a, b])``), whose
+            forward hooks :func:`fsdp_hooks_off` cannot lift.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        fully_shard(model)
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),) or p.dim() == 0:
+            raise ValueError(
+                f"model parameter {name!r} must be sharded along dim 0 by fully_shard (a "
+                f"DTensor placed Shard(0), at least 1-d) for shard=True, got "
+                f"{getattr(p, 'placements', 'a plain tensor')} of shape {tuple(p.shape)}; apply "
+                "fully_shard to every module that holds trainable parameters, with the "
+                "default placement"
+            )
+    _fsdp_hook_ids(model)  # refuses grouped hooks now, not at the first backward
+
+
+def _fsdp_hook_ids(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int, int]]:
+    """``(module, pre-hook id, hook id)`` of each FSDP2 state's forward hooks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        pre = getattr(state, "_pre_forward_hook_handle", None)
+        post = getattr(state, "_post_forward_hook_handle", None)
+        modules = getattr(state, "_modules", (module,))
+        if pre is None or post is None or len(modules) != 1 or pre is post:
+            raise ValueError(
+                "a sharded PrivateGradients runs the model through torch.func with FSDP2's "
+                "forward hooks lifted, and cannot find them on this model (grouped "
+                "fully_shard([a, b]), or a torch whose FSDP2 keeps them elsewhere); shard "
+                "each module on its own, or use dpfunc.Trainer(shard=True)"
+            )
+        found.append((module, pre.id, post.id))
+    return found
+
+
+class fsdp_hooks_off:  # noqa: N801 (a context manager, named as one)
+    """Within the block, FSDP2's forward hooks on ``model`` do not run.
+
+    dpfunc's pass calls the model through ``torch.func.functional_call``
+    with the whole parameters it gathered itself; FSDP2's forward hooks
+    would swap in their own (and cannot run under ``vmap``). The module's
+    hook tables are replaced by copies without FSDP2's entries and put
+    back, the same objects, on exit.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.hooks = _fsdp_hook_ids(model)
+        self.saved: list[tuple[torch.nn.Module, Any, Any]] = []
+
+    def __enter__(self) -> None:
+        for module, pre, post in self.hooks:
+            self.saved.append((module, module._forward_pre_hooks, module._forward_hooks))
+            module._forward_pre_hooks = type(module._forward_pre_hooks)(
+                (k, v) for k, v in module._forward_pre_hooks.items() if k != pre
+            )
+            module._forward_hooks = type(module._forward_hooks)(
+                (k, v) for k, v in module._forward_hooks.items() if k != post
+            )
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, pre_hooks, hooks in self.saved:
+            module._forward_pre_hooks, module._forward_hooks = pre_hooks, hooks
+        self.saved.clear()

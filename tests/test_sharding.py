@@ -146,6 +146,7 @@ def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
                     "noise_state": state_bytes(state.noise_state.history),
                 },
             }
+    result["private"] = private_run(rank, shard=True)
     # the Trainer, sharded, with a sharded checkpoint at RESUME_AT
     first = dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
     first.fit(max_steps=RESUME_AT)
@@ -153,6 +154,30 @@ def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
     first.fit()
     result["trainer"] = {"params": first.full_params(), "epsilon": first.epsilon()}
     return result
+
+
+def private_run(model_seed: int = 0, **shard) -> dict:
+    """PrivateGradients with torch.optim.Adam; FSDP2 shards the model when shard=True."""
+    model, loss_fn, _, dataset, _ = problem("mlp", model_seed)
+    settings = {k: v for k, v in TRAINER.items() if k not in ("optimizer", "progress")}
+    private = dpfunc.PrivateGradients(model, loss_fn, dataset, bands=2, **settings, **shard)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)  # after the sharding
+    for batch in private.batches():
+        private.backward(batch)
+        optimizer.step()
+        optimizer.zero_grad()
+    x = dataset[0][:5]
+    whole = private.full_params()
+    return {
+        "params": whole,
+        "forward": model(x).detach(),  # the model's own forward: FSDP2's hooks still work
+        "functional": functional_call(model, whole, (x,)).detach() if not shard else None,
+        "optimizer_bytes": sum(
+            state_bytes([t.to_local() if hasattr(t, "to_local") else t for t in v.values()])
+            for v in optimizer.state.values()
+        ),
+        "epsilon": private.epsilon(),
+    }
 
 
 def trainer_problem():
@@ -319,6 +344,20 @@ def test_each_rank_holds_its_share_of_the_state(runs, world_size):
                 held = [r[kind, config]["bytes"][part] for r in ranks]
                 if whole:  # about 1/world each: at most one more row of every leaf
                     assert max(held) < whole / world_size * 1.5 + 200, (kind, part, held, whole)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_private_gradients_sharded_by_fully_shard_equal_one_process(runs, world_size):
+    ranks = [r["private"] for r in runs[1][world_size]]
+    alone = private_run(0)
+    for r in ranks:
+        assert r["epsilon"] == alone["epsilon"]
+        for name, value in alone["params"].items():
+            torch.testing.assert_close(r["params"][name], value, rtol=0, atol=2e-6)
+        torch.testing.assert_close(r["forward"], alone["forward"], rtol=0, atol=1e-5)
+    held = [r["optimizer_bytes"] for r in ranks]  # Adam's moments: this rank's rows
+    assert sum(held) <= alone["optimizer_bytes"] + 8 * 4 * world_size  # + the step counts
+    assert max(held) < alone["optimizer_bytes"] * 0.75
 
 
 def test_trainer_resumes_sharded_bit_identically_and_on_more_ranks(runs):
