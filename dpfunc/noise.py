@@ -138,9 +138,9 @@ NOISE_BLOCK = 2**18
 Leaf ``i`` (optree leaf order) of shape ``S``, flattened row-major, is cut
 into blocks of ``NOISE_BLOCK`` values: block ``k`` holds values
 ``[k * NOISE_BLOCK, min((k + 1) * NOISE_BLOCK, numel))``. A block's values
-depend only on ``(seed, step, stream, i, k)``, its length and (default draw)
-its dtype, so any range of rows is drawn without drawing what comes before
-it (:func:`standard_normal_like` with ``rows``). ``2**18`` keeps the keying
+depend only on ``(seed, step, stream, i, k)``, the block's length and the
+leaf's dtype, so any range of rows is drawn without drawing what comes
+before it (:func:`standard_normal_like` with ``rows``). ``2**18`` keeps the keying
 of a block (about 12 us on a CPU) near 2% of its draw (``torch.randn`` of
 ``2**18`` values: about 650 us on one thread).
 """
@@ -197,9 +197,10 @@ def standard_normal_like(
             four rows, the sine rows as they are and the cosine rows rolled
             by one within the block, so that the four terms come from four
             different pairs. Needs the ``cryptography`` package
-            (``pip install "dpfunc[secure]"``). About 2x the time of
-            ``torch.randn`` on a CPU for float32 leaves (``bench/noise.py``);
-            CUDA leaves are drawn on the CPU and copied over.
+            (``pip install "dpfunc[secure]"``). About 1.2x the time of
+            ``torch.randn`` on a CPU for float32 leaves, 5x for float64
+            ones (``bench/noise.py``, two threads; on one thread 1.9x for
+            float32); CUDA leaves are drawn on the CPU and copied over.
             The default draw: block ``k`` of leaf ``i`` is
             ``torch.randn(n, generator=g)`` in the leaf's dtype (float32 for
             bfloat16 and float16 leaves), ``g = keyed_generator(
