@@ -14,7 +14,7 @@ the released model.
 Loading refuses, naming every difference, a checkpoint written with other
 privacy settings, data size or parameter shapes (its accounting holds only
 for its own); a checkpoint of an earlier version, with the reason (version
-1: keyed with a public default seed; version 2: see :data:`VERSION`); and
+1: keyed with a public default seed; versions 2 and 3: see :data:`VERSION`); and
 a seed other than the trainer's, except that a trainer built with
 ``seed=None`` adopts a checkpoint's seed if that seed was itself a drawn
 secret (a fixed one is refused: a run resumed from it would not be private).
@@ -58,8 +58,17 @@ __all__ = [
     "state_dict",
 ]
 
-VERSION = 3
+VERSION = 4
 """The checkpoint format. 2: the secret seed and the noise kind. 3: the train state by parts.
+4: the same layout, written by the releases whose noise stream has random access by block.
+
+Version 3's releases drew each step's noise from one generator over the
+whole tree; version 4's draw it block by block (:data:`dpfunc.noise.NOISE_BLOCK`),
+so the same seed and step give other noise. A version 3 checkpoint resumed
+here would not continue its run bit for bit: a step replayed after the
+checkpoint (one the interrupted run had already computed, and may have
+shown) would be released again with other noise, and accounted once. It is
+refused, with the reason.
 
 Version 3 stores each part of the train state (``params``, ``opt_state``,
 ``step``, ``clip_state``, ``noise_state``) under its name, so a part whose
@@ -303,6 +312,16 @@ def _check_seed(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> None:
             "that wrote version 2 rounded the noisy sum differently without recording which "
             "did, so it cannot be resumed bit-identically. Its epsilon still holds for what it "
             "released; start a new run."
+        )
+    if version == 3:
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} was written by an earlier dpfunc (checkpoint "
+            "version 3), whose noise came from one generator per step; this version draws it "
+            "block by block (so that each rank of a sharded run draws its own rows), so the same "
+            "seed gives other noise and the run cannot be resumed bit-identically: a step "
+            "replayed after the checkpoint would be released again with other noise. Its "
+            "epsilon still holds for what it released; finish it with the release that wrote "
+            "it, or start a new run."
         )
     if version != VERSION:
         raise ValueError(f"{os.fspath(path)!r} is not a dpfunc checkpoint (version {VERSION})")

@@ -73,25 +73,6 @@ def tree_scale(tree: PyTree, factor: float | Tensor) -> PyTree:
     return tree_map(lambda x: x * factor, tree)
 
 
-def tree_normal_like(tree: PyTree, generator: torch.Generator) -> PyTree:
-    """Independent standard-normal draws shaped like each leaf, in leaf order.
-
-    Each draw has its leaf's device and dtype, at least float32: a draw in
-    bfloat16 or float16 would be a Gaussian rounded to 8 or 11 significant
-    bits, and the clipped sum it is added to is float32 or wider anyway.
-    ``generator`` must live on the leaves' device.
-    """
-    return tree_map(
-        lambda x: torch.randn(
-            x.shape,
-            generator=generator,
-            dtype=torch.promote_types(x.dtype, torch.float32),
-            device=x.device,
-        ),
-        tree,
-    )
-
-
 def global_norm(tree: PyTree) -> Tensor:
     """The L2 norm of all leaves stacked into one vector."""
     leaves = tree_leaves(tree)

@@ -223,7 +223,7 @@ def test_checkpoints_store_the_state_by_part(tmp_path):
     run.fit(max_steps=2)
     run.save(path)
     saved = torch.load(path, weights_only=True)
-    assert saved["version"] == checkpoint.VERSION == 3
+    assert saved["version"] == checkpoint.VERSION == 4
     assert tuple(saved["state"]) == checkpoint.STATE_PARTS
     assert [h.shape for h in saved["state"]["noise_state"]] == [
         h.shape for h in optree.tree_leaves(run.state.noise_state)
@@ -232,6 +232,22 @@ def test_checkpoints_store_the_state_by_part(tmp_path):
     torch.save(saved, path)
     with pytest.raises(ValueError, match="noise_state tensors do not match"):
         trainer(bands=4).load(path)
+
+
+def test_a_checkpoint_of_version_3_is_refused_for_its_other_noise_stream(tmp_path):
+    path = tmp_path / "v3.pt"
+    run = trainer()
+    run.fit(max_steps=1)
+    run.save(path)
+    saved = torch.load(path, weights_only=True)
+    saved["version"] = 3  # the same layout, from the releases with one generator per step
+    torch.save(saved, path)
+    fresh = trainer()
+    with pytest.raises(ValueError, match="version 3") as caught:
+        fresh.load(path)
+    message = str(caught.value)
+    assert "other noise" in message and "cannot be resumed bit-identically" in message
+    assert fresh.steps_done == 0
 
 
 def test_a_checkpoint_of_version_2_is_refused_with_the_reason(tmp_path):
