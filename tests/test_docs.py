@@ -27,6 +27,7 @@ GUIDES = {
     "pieces.md",
     "precision.md",
     "privacy-and-randomness.md",
+    "sharded.md",
     "training.md",
     "writing-a-loss.md",
 }

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-NOT_SINGLE = ("ddp_digits.py", "report.py")  # under torchrun; the shared tables and plots module
+# under torchrun; the shared tables and plots module
+NOT_SINGLE = ("ddp_digits.py", "sharded_digits.py", "report.py")
 SINGLE_PROCESS = sorted(p.name for p in EXAMPLES.glob("*.py") if p.name not in NOT_SINGLE)
 
 
@@ -28,8 +29,9 @@ def test_example_smoke(name, tmp_path):
 
 
 @pytest.mark.slow
-def test_distributed_example_smoke(tmp_path):
-    script = EXAMPLES / "ddp_digits.py"
+@pytest.mark.parametrize("name", ["ddp_digits.py", "sharded_digits.py"])
+def test_distributed_example_smoke(name, tmp_path):
+    script = EXAMPLES / name
     torchrun = [
         sys.executable,
         "-m",

@@ -400,6 +400,11 @@ def test_shard_needs_a_distributed_run():
         dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
     with pytest.raises(TypeError, match="shard must be a bool"):
         dpfunc.Trainer(*trainer_problem(), shard="yes", **TRAINER)
+    model, loss_fn, _, dataset, _ = problem("mlp")
+    settings = {k: v for k, v in TRAINER.items() if k not in ("optimizer", "progress")}
+    with pytest.raises(ValueError, match="shard=True splits the model over the ranks"):
+        dpfunc.PrivateGradients(model, loss_fn, dataset, shard=True, **settings)
+    assert not any(hasattr(p, "placements") for p in model.parameters())  # left as it was
 
 
 if __name__ == "__main__":
