@@ -64,8 +64,8 @@ class Transformer(nn.Module):
         return self.head(self.block(self.embed(tokens)).mean(dim=1))
 
 
-def problem(kind: str, model_seed: int = 0):
-    """(model, loss_fn, params, dataset, method) of one model family."""
+def problem(kind: str, model_seed: int = 0, device: str = "cpu"):
+    """(model, loss_fn, params, dataset, method) of one model family, on ``device``."""
     torch.manual_seed(model_seed)
     g = torch.Generator().manual_seed(123)
     y = torch.randint(0, 3, (N,), generator=g)
@@ -78,18 +78,21 @@ def problem(kind: str, model_seed: int = 0):
     else:
         model = Transformer()
         x, method = torch.randint(0, 10, (N, 5), generator=g), "vmap"
+    model.to(device)
     params, buffers = dpfunc.functionalize(model)
 
     def loss_fn(p, example):
         xi, yi = example
         return F.cross_entropy(functional_call(model, (p, buffers), (xi.unsqueeze(0),)), yi[None])
 
-    return model, loss_fn, params, (x, y), method
+    return model, loss_fn, params, (x.to(device), y.to(device)), method
 
 
-def run_steps(kind: str, config: str, make, rank: int = 0, world_size: int = 1, **shard):
-    """STEPS logical steps of the functional step; returns the whole parameters and the rest."""
-    model, loss_fn, params, dataset, method = problem(kind, model_seed=rank)
+def run_steps(
+    kind: str, config: str, make, rank: int = 0, world_size: int = 1, device="cpu", **shard
+):
+    """STEPS logical steps of the functional step; returns the step and its last state."""
+    model, loss_fn, params, dataset, method = problem(kind, rank, device)
     settings = dict(clip_norm=0.5, noise_multiplier=0.8, expected_batch_size=SAMPLE_RATE * N)
     settings.update(CONFIGS[config])
     optimizer = dpfunc.optim.adam(lr=0.05)
@@ -114,11 +117,19 @@ def state_bytes(tree) -> int:
 
 def worker(scenario: str, outdir: str, timeout_s: float) -> int:
     torch.set_num_threads(1)
-    info = dpfunc.distributed.init(timeout_s=timeout_s)
+    backend = "nccl" if scenario == "cuda" else "gloo"
+    info = dpfunc.distributed.init(backend, timeout_s=timeout_s)
     rank, world_size = info.rank, info.world_size
     try:
         if scenario == "equal":
             result = equal_worker(rank, world_size, outdir)
+        elif scenario == "cuda":  # NCCL, one GPU per rank
+            make = dpfunc.distributed.make_train_step
+            result = {
+                config: run_steps("mlp", config, make, rank, world_size, info.device, shard=True)
+                for config in CONFIGS
+            }
+            result = {k: step.full_params(state) for k, (step, state) in result.items()}
         elif scenario == "resume":
             result = resume_worker(outdir)
         elif scenario == "die":
@@ -393,6 +404,36 @@ def test_a_dead_rank_fails_the_other_clearly_and_the_checkpoint_survives(tmp_pat
     assert_ok(launch("resume", tmp_path, 2))  # the last checkpoint loads
     resumed = load_ranks(tmp_path, 2)
     assert resumed[0]["dying"]["loaded"] == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sharded_steps_on_cuda_equal_one_process(tmp_path):
+    """NCCL on up to 2 GPUs (one rank per GPU; one GPU: a world of one, still sharded)."""
+    world_size = min(torch.cuda.device_count(), 2)
+    assert_ok(launch("cuda", tmp_path, world_size))
+    ranks = load_ranks(tmp_path, world_size)
+    for config in CONFIGS:
+        _, alone = run_steps("mlp", config, dpfunc.make_train_step, device="cuda")
+        for name, value in alone.params.items():
+            for r in ranks:
+                got = r[config][name]
+                assert got.device.type == "cuda"
+                torch.testing.assert_close(got, value, rtol=0, atol=2e-5, msg=(config, name))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_noise_rows_are_rows_of_the_whole_draw():
+    params = {"w": torch.zeros(7, 300, device="cuda"), "b": torch.zeros(5, device="cuda")}
+    whole = dpfunc.standard_normal_like(params, seed=5, step=2)
+    for world_size in (2, 3):
+        for rank in range(world_size):
+            layout = Sharding(params, rank, world_size)
+            mine = dpfunc.standard_normal_like(
+                layout.shard(params), seed=5, step=2, rows=layout.noise_rows()
+            )
+            for i, name in enumerate(sorted(params)):
+                start, stop = layout.rows(i)
+                assert torch.equal(mine[name], whole[name][start:stop])
 
 
 def test_shard_needs_a_distributed_run():
