@@ -431,9 +431,28 @@ _SHARDED_PARTS = ("params", "opt_state", "noise_state")  # each rank's rows, thr
 _REPLICATED_PARTS = ("step", "clip_state")  # the same on every rank: in rank 0's dpfunc.pt
 
 
-def _sharded_parts(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """The cut parts of ``trainer.state`` as DTensors, for torch.distributed.checkpoint."""
-    from .sharding import as_dtensors, state_dims
+def _sharded_parts(trainer: Any, *, fresh: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+    """The cut parts of ``trainer.state`` as DTensors, for torch.distributed.checkpoint.
+
+    ``fresh``: empty tensors of the same layout, to load into (a failed load
+    then leaves the trainer's own state untouched).
+    """
+    from .sharding import as_dtensors
+
+    dims = _part_dims(trainer)
+    parts = {}
+    for part in _SHARDED_PARTS:
+        tree = getattr(trainer.state, part)
+        if fresh:
+            tree = optree.tree_map(torch.empty_like, tree)
+        device = optree.tree_leaves(trainer.state.params)[0].device
+        parts[part] = as_dtensors(tree, dims[part], device)
+    return parts
+
+
+def _part_dims(trainer: Any) -> dict[str, list]:
+    """For each cut part, each leaf's ``(whole shape, cut dim)`` or ``None`` (held whole)."""
+    from .sharding import state_dims
 
     step = trainer.step_fn
     layout = step.collectives.layout()
@@ -442,19 +461,34 @@ def _sharded_parts(trainer: Any) -> dict[str, dict[str, torch.Tensor]]:
         "opt_state": step.optimizer.init,
         "noise_state": step.noise_mechanism.init,
     }
-    device = optree.tree_leaves(trainer.state.params)[0].device
+    return {part: state_dims(inits[part], layout) for part in _SHARDED_PARTS}
+
+
+def _part_shapes(trainer: Any) -> dict[str, list]:
+    """Each cut part's leaves as ``[whole shape, dtype]``: what a loading run must match."""
+    dims = _part_dims(trainer)
     return {
-        part: as_dtensors(getattr(trainer.state, part), state_dims(inits[part], layout), device)
+        part: [
+            [list(dim[0]) if dim is not None else list(leaf.shape), str(leaf.dtype)]
+            for leaf, dim in zip(optree.tree_leaves(getattr(trainer.state, part)), dims[part])
+        ]
         for part in _SHARDED_PARTS
     }
 
 
-def _everyone(trainer: Any, ok: bool, what: str) -> None:
-    """Raises on every rank unless ``ok`` on every rank (``what`` names what failed)."""
-    flags = _distributed.gather_flags(ok, f"the check that every rank {what}", trainer.steps_done)
-    if not all(flags):
-        failed = [r for r, flag in enumerate(flags) if not flag]
-        raise RuntimeError(f"ranks {failed} failed: {what} (see their logs)")
+def _dcp(trainer: Any, what: str, fn: Any, error: type[Exception]) -> None:
+    """Runs a torch.distributed.checkpoint call; its failures become ``error`` on every rank.
+
+    A failure on any rank reaches every rank as a ``CheckpointException`` (a
+    ``BaseException``, which ``except Exception`` would miss); a collective
+    that fails outright becomes a :class:`~dpfunc.distributed.CollectiveError`.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        _distributed._collective(what, trainer.steps_done, fn)
+    except CheckpointException as failure:
+        raise error(f"{what} failed: {failure}") from failure
 
 
 def _save_sharded(trainer: Any, path: str | os.PathLike) -> None:
@@ -471,18 +505,19 @@ def _save_sharded(trainer: Any, path: str | os.PathLike) -> None:
         lambda: dist.broadcast_object_list(name, src=0),
     )  # fmt: skip
     target = os.path.join(path, name[0])
-    if trainer.rank == 0:
-        os.makedirs(path, exist_ok=True)
-    _everyone(trainer, os.path.isdir(path) or trainer.rank != 0, f"created {path!r}")
-    _distributed._collective(
-        f"torch.distributed.checkpoint save into {target!r}", trainer.steps_done,
-        lambda: dcp.save(_sharded_parts(trainer), checkpoint_id=target),
-    )  # fmt: skip
+    if trainer.rank == 0:  # owner-only: the noise history and the seed are secrets
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.makedirs(target, mode=0o700)
+    _everyone(trainer, os.path.isdir(target) or trainer.rank != 0, f"created {target!r}")
+    what = f"torch.distributed.checkpoint save into {target!r}"
+    _dcp(trainer, what, lambda: dcp.save(_sharded_parts(trainer), checkpoint_id=target), OSError)
     error = None
     if trainer.rank == 0:  # every rank's rows are written: make this save the checkpoint
         try:
+            for written in os.listdir(target):
+                os.chmod(os.path.join(target, written), 0o600)
             meta = state_dict(trainer, _REPLICATED_PARTS)
-            meta["shapes"] = trainer.step_fn.collectives.layout().shapes
+            meta["parts"] = _part_shapes(trainer)
             _atomic_write(os.path.join(target, "dpfunc.pt"), lambda f: torch.save(meta, f))
             _atomic_write(os.path.join(path, LATEST), lambda f: f.write(name[0].encode()))
             for old in os.listdir(path):
@@ -497,6 +532,14 @@ def _save_sharded(trainer: Any, path: str | os.PathLike) -> None:
         raise error
     if not flags[0]:
         raise RuntimeError(f"rank 0 failed to complete checkpoint {path!r}; see its log")
+
+
+def _everyone(trainer: Any, ok: bool, what: str) -> None:
+    """Raises on every rank unless ``ok`` on every rank (``what`` names what failed)."""
+    flags = _distributed.gather_flags(ok, f"the check that every rank {what}", trainer.steps_done)
+    if not all(flags):
+        failed = [r for r, flag in enumerate(flags) if not flag]
+        raise RuntimeError(f"ranks {failed} failed: {what} (see their logs)")
 
 
 def _atomic_write(path: str, write: Any) -> None:
@@ -527,12 +570,15 @@ def _read_sharded_meta(trainer: Any, path: str) -> tuple[str, tuple]:
     except Exception as error:
         raise ValueError(f"checkpoint {path!r} is unreadable: {error}") from error
     loaded = from_state_dict(trainer, meta, path, _REPLICATED_PARTS)
-    shapes = [tuple(s) for s in meta.get("shapes", [])]
-    if shapes != trainer.step_fn.collectives.layout().shapes:
-        raise ValueError(
-            f"checkpoint {path!r} holds parameters shaped {shapes}, this trainer's are "
-            f"{trainer.step_fn.collectives.layout().shapes}"
-        )
+    mine = _part_shapes(trainer)
+    for part, leaves in mine.items():
+        saved = meta.get("parts", {}).get(part)
+        if saved != leaves:
+            raise ValueError(
+                f"checkpoint {path!r} holds a train state whose {part} tensors do not match this "
+                f"trainer's (their number, whole shapes or dtypes differ): saved {saved}, this "
+                f"trainer's {leaves}"
+            )
     return target, loaded
 
 
@@ -556,11 +602,9 @@ def _load_sharded(trainer: Any, path: str | os.PathLike) -> None:
         failed = [r for r, ok in enumerate(flags) if not ok]
         raise ValueError(f"checkpoint {path!r} could not be read on ranks {failed}")
     _distributed.check_same_across_ranks({"save": os.path.basename(target)}, f"checkpoint {path!r}")
-    parts = _sharded_parts(trainer)  # this trainer's layout: DCP re-cuts the saved rows into it
-    _distributed._collective(
-        f"torch.distributed.checkpoint load from {target!r}", None,
-        lambda: dcp.load(parts, checkpoint_id=target),
-    )  # fmt: skip
+    parts = _sharded_parts(trainer, fresh=True)  # this run's layout: DCP re-cuts the saved rows
+    what = f"torch.distributed.checkpoint load from {target!r}"
+    _dcp(trainer, what, lambda: dcp.load(parts, checkpoint_id=target), ValueError)
     state = state._replace(
         **{part: from_dtensors(getattr(state, part), parts[part]) for part in _SHARDED_PARTS}
     )

@@ -51,7 +51,7 @@ from .distributed import broadcast_from_rank0
 from .functional import functionalize
 from .per_sample import LossFn
 from .plan import PlannedRun, RunPlan
-from .sharding import fsdp_hooks_off, shard_module
+from .sharding import fsdp_hooks_off, reshard, shard_module
 from .step import NONFINITE, NoiseAhead, StepNoise, TrainState
 from .tree import Params, tree_map
 
@@ -309,6 +309,8 @@ class PrivateGradients(PlannedRun):
 
     def _live_params(self) -> Params:
         """The model's trainable parameters now, detached (no copy), after checking them."""
+        if self.step_fn.sharded:  # after the model's own forward, FSDP2 may hold it gathered
+            reshard(self.model)
         now = _trainable(self.model)
         before = {name: p for name, p in self._trainable}
         current = {name: p for name, p in now}

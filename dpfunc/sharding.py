@@ -73,6 +73,7 @@ __all__ = [
     "check_elementwise",
     "from_dtensors",
     "fsdp_hooks_off",
+    "reshard",
     "shard_module",
     "state_dims",
 ]
@@ -213,11 +214,14 @@ def check_elementwise(
 ) -> None:
     """Refuses an optimizer whose update of rows differs from its update of whole leaves.
 
-    A sharded step updates each rank's rows alone. Two steps of the
-    optimizer run on a small probe shaped like ``params`` (every leaf with
-    ``2 * world_size + 1`` rows and at most 2 columns per other dim): once
-    whole, once cut in ``world_size`` row chunks; the updates must agree
-    to float rounding.
+    A sharded step updates each rank's rows alone, which is right only for
+    an optimizer that acts element by element. This checks it on a probe:
+    every leaf of ``params`` with ``2 * world_size + 1`` rows and its own
+    trailing dims (each at most :data:`PROBE_DIM` when they hold more than
+    ``PROBE_DIM**2`` values), three updates, once whole and once cut in
+    ``world_size`` row chunks; the updates must agree to float rounding. A
+    check, not a proof: an optimizer that reads a whole leaf only beyond
+    the probe's sizes or steps passes it.
 
     Raises:
         ValueError: the updates differ (the optimizer reads a leaf as a whole).
@@ -226,8 +230,10 @@ def check_elementwise(
     rows = 2 * world_size + 1
 
     def probe_like(x: Tensor) -> Tensor:
-        shape = (rows, *[min(s, 2) for s in x.shape[1:]])
-        return torch.randn(shape, generator=generator, dtype=torch.float32)
+        trailing = list(x.shape[1:])
+        if math.prod(trailing) > PROBE_DIM**2:
+            trailing = [min(s, PROBE_DIM) for s in trailing]
+        return torch.randn(rows, *trailing, generator=generator, dtype=torch.float32)
 
     treedef = tree_structure(params)
     probe = treedef.unflatten([probe_like(x) for x in tree_leaves(params)])
@@ -235,12 +241,11 @@ def check_elementwise(
         [torch.linspace(-1, 1, x.numel()).view(x.shape) + 0.5 for x in tree_leaves(probe)]
     )
     layout = Sharding(probe, 0, world_size)
-    whole = _two_updates(optimizer, probe, grads)
+    whole = _updates(optimizer, probe, grads)
     pieces = []
     for rank in range(world_size):
         layout.rank = rank
-        rows = _two_updates(optimizer, layout.shard(probe), layout.shard(grads))
-        pieces.append(tree_leaves(rows))
+        pieces.append(tree_leaves(_updates(optimizer, layout.shard(probe), layout.shard(grads))))
     for i, leaf in enumerate(tree_leaves(whole)):
         joined = torch.cat([piece[i] for piece in pieces])
         if not torch.allclose(joined, leaf, rtol=1e-5, atol=1e-7):
@@ -251,10 +256,14 @@ def check_elementwise(
             )
 
 
-def _two_updates(optimizer: optim.GradientTransformation, params: Params, grads: Params) -> Params:
+PROBE_DIM = 256
+"""The largest trailing dim :func:`check_elementwise` probes when a leaf's are large."""
+
+
+def _updates(optimizer: optim.GradientTransformation, params: Params, grads: Params) -> Params:
     state = optimizer.init(params)
     total = None
-    for _ in range(2):
+    for _ in range(3):
         updates, state = optimizer.update(grads, state, params)
         total = (
             updates
@@ -355,6 +364,15 @@ def shard_module(model: torch.nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"shard=True needs every parameter of the model trainable, but {frozen[:5]} "
+            f"{'...' if len(frozen) > 5 else ''}are frozen: FSDP2 would shard them too, and the "
+            "loss reads them from the model. For a model with frozen parts (adapters, LoRA), "
+            "use dpfunc.Trainer(..., shard=True) or dpfunc.distributed.make_train_step(..., "
+            "shard=True), with the frozen tensors passed to the loss as buffers"
+        )
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         fully_shard(model)
     for name, p in model.named_parameters():
@@ -392,6 +410,20 @@ def _fsdp_hook_ids(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int, i
             )
         found.append((module, pre.id, post.id))
     return found
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Puts every FSDP2 module of ``model`` back to its rows (after the model's own forward).
+
+    FSDP2 leaves the root module's parameters gathered after a forward (its
+    default for the root); dpfunc reads the rows, the parameters a
+    ``torch.optim`` optimizer holds.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 class fsdp_hooks_off:  # noqa: N801 (a context manager, named as one)

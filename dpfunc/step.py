@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
@@ -312,6 +314,8 @@ class TrainStep:
         self._accumulate, self._apply_reduced = self.accumulate, self.apply_reduced
         self._private_gradient = self.private_gradient
         self._recurrent = recurrent_paths(model)  # checked when Dynamo traces the step
+        # sharded: the leaves of the last trees draw_noise gave, by id (see _check_drawn)
+        self._drawn: deque[dict[int, weakref.ref]] = deque(maxlen=4)
 
     # the settings the mechanisms were built with: read-only, since changing one here
     # would not change the mechanism (build another step from another config)
@@ -601,6 +605,26 @@ class TrainStep:
         micro, stats = self._clip(params, batch, mask, clip_norm, skip_padding=True)
         return tree_add(summed, micro), stats
 
+    def _check_drawn(self, noise: Params) -> None:
+        """Sharded: refuses noise that :meth:`draw_noise` did not draw for this rank's rows.
+
+        ``standard_normal_like(state.params, ...)`` without ``rows`` would
+        give every rank with equally shaped rows the SAME noise, so the
+        difference of two ranks' released rows would be the difference of
+        the clipped sums, without noise.
+        """
+        if not self.sharded:
+            return
+        for z in tree_leaves(noise):
+            if not any(d.get(id(z)) is not None and d[id(z)]() is z for d in self._drawn):
+                raise ValueError(
+                    "a sharded step takes the noise from step.draw_noise(state.params, "
+                    "seed=..., step=...), which draws this rank's rows of the noise tree; noise "
+                    "drawn otherwise (standard_normal_like(state.params, ...) draws the first "
+                    "rows on every rank) would add the same noise on several ranks and release "
+                    "differences of clipped sums without noise"
+                )
+
     def unclipped_count(self, state: TrainState, stats: ExampleStats) -> Tensor:
         """The count of unclipped examples in a logical batch: adaptive clipping's statistic."""
         return unclipped_count(stats.norm, state.clip_state.clip_norm, stats.mask)
@@ -645,10 +669,14 @@ class TrainStep:
         On one process the reduction is the identity. Distributed,
         ``summed`` is THIS rank's clipped sum of its share, ``noise`` the
         same on every rank (same seed and step), and ``count`` (adaptive
-        clipping) the whole logical batch's.
+        clipping) the whole logical batch's. Sharded, ``summed`` is this
+        rank's sum of the whole model and ``noise`` this rank's rows of the
+        noise tree, as :meth:`draw_noise` draws them (anything else is
+        refused).
         """
         check_state(state)
         check_same_structure(noise, state.params, "noise", "params")
+        self._check_drawn(noise)
         if not self.sharded:  # sharded: summed is whole, the reduce-scatter checks its shapes
             check_same_structure(summed, state.params, "summed", "params")
         reduced = self.all_reduce(summed, step=state.step)
@@ -735,6 +763,8 @@ class TrainStep:
         secure = self.config.secure_noise if secure is None else secure
         rows = self.collectives.noise_rows(params)  # sharded: this rank's rows of the tree
         noise = standard_normal_like(params, seed=seed, step=step, secure=secure, rows=rows)
+        if self.sharded:
+            self._drawn.append({id(z): weakref.ref(z) for z in tree_leaves(noise)})
         if not self.adaptive:
             return StepNoise(noise, None)
         zero = {"count": torch.zeros((), dtype=torch.float64)}
@@ -778,6 +808,7 @@ class TrainStep:
             The new state and the whole logical batch's per-example stats
             (:func:`summarize` them; NOT private).
         """
+        self._check_drawn(noise.params)  # before any collective, so every rank raises alike
         summed, stats, count = self._logical_sum(state, micro_batches, before_release)
         counts = (count, noise.count) if self.adaptive else ()
         return self.apply(state, summed, noise.params, *counts), stats  # reduced over the ranks
@@ -799,6 +830,7 @@ class TrainStep:
         mechanisms' states moved (``params`` and ``opt_state`` as they were).
         :class:`dpfunc.PrivateGradients` writes ``private`` into ``p.grad``.
         """
+        self._check_drawn(noise.params)
         summed, stats, count = self._logical_sum(state, micro_batches, before_release)
         reduced = self.all_reduce(summed, step=state.step)
         counts = (count, noise.count) if self.adaptive else ()
@@ -849,6 +881,7 @@ class TrainStep:
         """
         check_state(state)
         check_same_structure(noise, state.params, "noise", "params")
+        self._check_drawn(noise)  # before any collective, so every rank raises alike
         clip_norm = state.clip_state.clip_norm if self.adaptive else None
         params = self.full_params(state)
         summed, stats = self.accumulate(self.zeros(params), params, batch, mask, clip_norm)

@@ -19,13 +19,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
 import dpfunc
 from dpfunc import data
-from dpfunc.sharding import Sharding, state_dims
+from dpfunc.sharding import Sharding, check_elementwise, state_dims
 
 N = 40  # examples
 SAMPLE_RATE = 0.15  # expected batch 6: several micro-batches of PHYSICAL rows per rank
@@ -434,6 +435,117 @@ def test_cuda_noise_rows_are_rows_of_the_whole_draw():
             for i, name in enumerate(sorted(params)):
                 start, stop = layout.rows(i)
                 assert torch.equal(mine[name], whole[name][start:stop])
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo group of one rank in this process: sharded code paths, no launch."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    dpfunc.distributed.init("gloo", init_method=address, rank=0, world_size=1, timeout_s=30)
+    try:
+        yield
+    finally:
+        dpfunc.distributed.shutdown()
+
+
+def test_a_sharded_step_refuses_noise_it_did_not_draw(one_rank):
+    _, loss_fn, params, dataset, _ = problem("mlp")
+    step = dpfunc.distributed.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=1.0,
+        expected_batch_size=4.0, shard=True,
+    )  # fmt: skip
+    state = step.init(params)
+    batch, mask = (dataset[0][:4], dataset[1][:4]), torch.ones(4, dtype=torch.bool)
+    # every rank would draw the same first rows: differences of sums without noise
+    plain = dpfunc.standard_normal_like(state.params, seed=SEED, step=0)
+    with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
+        step(state, batch, mask, plain)
+    with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
+        step.apply(state, step.zeros(params), plain)
+    drawn = step.draw_noise(state.params, seed=SEED, step=0)
+    with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
+        step.logical_step(state, [(batch, mask)], drawn._replace(params=plain))
+    state, _ = step.logical_step(state, [(batch, mask)], drawn)  # drawn here: taken
+    assert int(state.step) == 1
+
+
+def test_check_elementwise_refuses_a_leaf_wise_optimizer_at_the_real_widths():
+    def leaf_norm_scaled(lr):  # reads the whole leaf, but only from width 8 on
+        def init(params):
+            return dpfunc.optim.EmptyState()
+
+        def update(grads, state, params=None):
+            def one(g):
+                wide = g.dim() > 1 and g.shape[1] >= 8
+                return -lr * (g / g.norm() if wide else g)
+
+            return dpfunc.tree.tree_map(one, grads), state
+
+        return dpfunc.optim.GradientTransformation(init, update)
+
+    params = {"w": torch.zeros(6, 16), "b": torch.zeros(6)}
+    with pytest.raises(ValueError, match="updates a parameter's rows differently"):
+        check_elementwise(leaf_norm_scaled(0.1), params, world_size=2)
+    for optimizer in (
+        dpfunc.optim.adamw(lr=lambda t: 0.1 / (1 + t), weight_decay=0.1),
+        dpfunc.optim.chain(dpfunc.optim.scale(0.5), dpfunc.optim.sgd(lr=0.1, momentum=0.9)),
+    ):
+        check_elementwise(optimizer, params, world_size=3)  # element-wise: accepted
+
+
+def test_sharded_checkpoints_are_private_checked_and_never_half_loaded(
+    one_rank, tmp_path, monkeypatch
+):
+    path = tmp_path / "ckpt"
+    run = dpfunc.Trainer(*trainer_problem(), shard=True, bands=2, **TRAINER)
+    run.fit(max_steps=2)
+    run.save(path)
+    (save,) = [d for d in path.iterdir() if d.name.startswith("step-")]
+    assert (path / "latest").read_text() == save.name
+    assert path.stat().st_mode & 0o077 == 0 and save.stat().st_mode & 0o077 == 0
+    assert all(f.stat().st_mode & 0o077 == 0 for f in save.iterdir())  # the noise history too
+
+    wide_params = {k: v.double() for k, v in problem("mlp")[2].items()}
+    wide = dpfunc.Trainer(problem("mlp")[1], wide_params, problem("mlp")[3], shard=True,
+                          bands=2, **TRAINER)  # fmt: skip
+    with pytest.raises(ValueError, match="params tensors do not match"):
+        wide.load(path)  # float32 rows into a float64 run
+    assert wide.steps_done == 0
+
+    fresh = dpfunc.Trainer(*trainer_problem(), shard=True, bands=2, **TRAINER)
+    before = {k: v.clone() for k, v in fresh.params.items()}
+
+    def torn_load(state_dict, **kwargs):  # writes some of what it loads, then fails
+        from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+        for part in state_dict.values():
+            for tensor in part.values():
+                getattr(tensor, "_local_tensor", tensor).fill_(7.0)
+        raise CheckpointException("a torn shard file", {0: _wrap_exception(ValueError("torn"))})
+
+    monkeypatch.setattr(torch.distributed.checkpoint, "load", torn_load)
+    with pytest.raises(ValueError, match="torch.distributed.checkpoint load"):
+        fresh.load(path)
+    assert fresh.steps_done == 0
+    for k, v in before.items():  # nothing was written into the trainer's state
+        assert torch.equal(fresh.params[k], v)
+
+
+def test_private_gradients_shard_refuses_frozen_parts_and_follows_the_models_forward(one_rank):
+    model, loss_fn, _, dataset, _ = problem("mlp")
+    model[0].bias.requires_grad_(False)
+    settings = {k: v for k, v in TRAINER.items() if k not in ("optimizer", "progress")}
+    with pytest.raises(ValueError, match="needs every parameter of the model trainable"):
+        dpfunc.PrivateGradients(model, loss_fn, dataset, shard=True, **settings)
+    model, loss_fn, _, dataset, _ = problem("mlp")
+    private = dpfunc.PrivateGradients(model, loss_fn, dataset, shard=True, **settings)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in private.batches(3):
+        with torch.no_grad():
+            model(dataset[0][:3])  # an evaluation between steps: FSDP2 gathers the root
+        private.backward(batch)
+        optimizer.step()
+    assert private.steps_done == 3
 
 
 def test_shard_needs_a_distributed_run():
