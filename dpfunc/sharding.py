@@ -80,7 +80,23 @@ __all__ = [
 
 # flat-tensor collectives: their newer names where this torch has them
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_NATIVE_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def _reduce_scatter(out: Tensor, send: Tensor) -> None:
+    """``out`` = this rank's chunk of ``send`` summed over the ranks.
+
+    gloo has no native reduce-scatter: torch emulates it, 3.3x the time of
+    an all-reduce of the same buffer here (150 MB of float64 on 2 ranks:
+    0.42 s against 0.13 s), so on gloo the buffer is all-reduced and this
+    rank's chunk copied out. NCCL's reduce-scatter moves half the bytes of
+    its all-reduce.
+    """
+    if dist.get_backend() == "gloo":
+        dist.all_reduce(send)
+        out.copy_(send.view(dist.get_world_size(), -1)[dist.get_rank()])
+    else:
+        _NATIVE_REDUCE_SCATTER(out, send)
 
 
 class Sharding:
@@ -187,7 +203,7 @@ class Sharding:
                 parts.append(flat.view(self.world_size, -1))
             send = torch.cat(parts, dim=1).reshape(-1)
             out = send.new_empty(send.numel() // self.world_size)
-            _REDUCE_SCATTER(out, send)
+            _reduce_scatter(out, send)
             offset = 0
             for i in positions:
                 size = self.chunks[i] * self.row_sizes[i]
