@@ -172,9 +172,11 @@ class Sharding:
         whole: list[Tensor | None] = [None] * len(leaves)
         for positions in _buckets(leaves).values():
             sizes = [self.chunks[i] * self.row_sizes[i] for i in positions]
-            send = torch.cat(
-                [_padded(leaves[i].reshape(-1), size) for i, size in zip(positions, sizes)]
-            )
+            send = leaves[positions[0]].new_zeros(sum(sizes))  # this rank's rows, zero-padded
+            offset = 0
+            for i, size in zip(positions, sizes):
+                send[offset : offset + leaves[i].numel()] = leaves[i].reshape(-1)
+                offset += size
             out = send.new_empty(self.world_size * send.numel())
             _ALL_GATHER(out, send)
             by_rank = out.view(self.world_size, -1)
@@ -195,18 +197,23 @@ class Sharding:
         leaves = tree_leaves(summed)
         mine: list[Tensor | None] = [None] * len(leaves)
         for positions in _buckets(leaves).values():
-            parts = []  # each leaf as [world_size, chunk * row_size], zero-padded rows
-            for i in positions:
-                flat = _padded(
-                    leaves[i].reshape(-1), self.world_size * self.chunks[i] * self.row_sizes[i]
-                )
-                parts.append(flat.view(self.world_size, -1))
-            send = torch.cat(parts, dim=1).reshape(-1)
-            out = send.new_empty(send.numel() // self.world_size)
-            _reduce_scatter(out, send)
+            sizes = [self.chunks[i] * self.row_sizes[i] for i in positions]
+            # rank r's chunk of the buffer: its rows of every leaf, zero-padded; written in
+            # place, one copy of the sum
+            send = leaves[positions[0]].new_zeros(self.world_size, sum(sizes))
             offset = 0
-            for i in positions:
-                size = self.chunks[i] * self.row_sizes[i]
+            for i, size in zip(positions, sizes):
+                as_rows = leaves[i].reshape(self.row_counts[i], -1)
+                for rank in range(self.world_size):
+                    start, stop = self.rows(i, rank)
+                    width = (stop - start) * self.row_sizes[i]
+                    send[rank, offset : offset + width] = as_rows[start:stop].reshape(-1)
+                offset += size
+            out = send.new_empty(sum(sizes))
+            _reduce_scatter(out, send.view(-1))
+            del send
+            offset = 0
+            for i, size in zip(positions, sizes):
                 shape = self.local_shape(i)
                 mine[i] = out[offset : offset + math.prod(shape)].view(shape)
                 offset += size
@@ -218,11 +225,6 @@ def _buckets(leaves: list[Tensor]) -> dict[tuple[torch.dtype, torch.device], lis
     for position, leaf in enumerate(leaves):
         buckets.setdefault((leaf.dtype, leaf.device), []).append(position)
     return buckets
-
-
-def _padded(flat: Tensor, size: int) -> Tensor:
-    """``flat`` with zeros appended up to ``size`` elements."""
-    return torch.nn.functional.pad(flat, (0, size - flat.numel())) if flat.numel() < size else flat
 
 
 def check_elementwise(
