@@ -109,6 +109,19 @@ def run_steps(
     return step, state
 
 
+def one_call_steps(rank: int = 0, world_size: int = 1, **shard) -> dict:
+    """Two steps of ``step(state, batch, mask, noise)``: no accumulation, each rank's rows."""
+    make = dpfunc.distributed.make_train_step if shard else dpfunc.make_train_step
+    step, state = run_steps("mlp", "adaptive", make, rank, world_size, **shard)
+    _, _, _, (x, y), _ = problem("mlp")
+    mine = slice(rank, 12, world_size)  # this rank's share of the first 12 examples
+    for t in range(STEPS, STEPS + 2):
+        noise = step.draw_noise(state.params, seed=SEED, step=t)
+        batch, mask = (x[mine], y[mine]), torch.ones(12 // world_size, dtype=torch.bool)
+        state, metrics = step(state, batch, mask, *noise)
+    return {"params": step.full_params(state), "loss": float(metrics["loss"])}
+
+
 def state_bytes(tree) -> int:
     return sum(x.numel() * x.element_size() for x in dpfunc.tree.tree_leaves(tree))
 
@@ -158,6 +171,7 @@ def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
                     "noise_state": state_bytes(state.noise_state.history),
                 },
             }
+    result["one_call"] = one_call_steps(rank, world_size, shard=True)
     result["private"] = private_run(rank, shard=True)
     # the Trainer, sharded, with a sharded checkpoint at RESUME_AT
     first = dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
@@ -320,6 +334,15 @@ def test_sharded_steps_equal_one_process(runs, world_size, kind):
             assert not torch.equal(value, problem(kind)[2][name])  # it trained
             rows = torch.cat([r[kind, config]["rows"][name].reshape(-1) for r in ranks])
             assert torch.equal(rows, got[0].reshape(-1))  # the rows are the parameter, cut
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_one_call_steps_without_accumulation_equal_one_process(runs, world_size):
+    alone = one_call_steps()
+    for r in runs[1][world_size]:
+        assert r["one_call"]["loss"] == pytest.approx(alone["loss"], abs=1e-6)  # all examples
+        for name, value in alone["params"].items():
+            torch.testing.assert_close(r["one_call"]["params"][name], value, rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
