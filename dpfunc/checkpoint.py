@@ -218,20 +218,8 @@ def from_state_dict(
 
 
 def _write(trainer: Any, path: str | os.PathLike) -> None:
-    path = os.fspath(path)
     checkpoint = state_dict(trainer)
-    directory = os.path.dirname(os.path.abspath(path))
-    handle, tmp = tempfile.mkstemp(dir=directory, prefix=".dpfunc-", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as f:
-            torch.save(checkpoint, f)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    _atomic_write(os.fspath(path), lambda f: torch.save(checkpoint, f))
 
 
 def load(trainer: Any, path: str | os.PathLike) -> None:
@@ -261,6 +249,18 @@ def load(trainer: Any, path: str | os.PathLike) -> None:
         loaded = _read(trainer, path)
     except ValueError as caught:
         error = caught
+    _all_read(error, path)
+    with open(path, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    _distributed.check_same_across_ranks(
+        {"steps": loaded[1].steps, "sha256": digest},
+        f"checkpoint {os.fspath(path)!r} as read by each rank",
+    )
+    trainer.restore(*loaded)
+
+
+def _all_read(error: ValueError | None, path: str | os.PathLike) -> None:
+    """Raises on every rank unless every rank read the checkpoint (``error``: this rank's)."""
     flags = _distributed.gather_flags(
         error is None, f"the check that every rank loaded checkpoint {os.fspath(path)!r}"
     )
@@ -272,13 +272,6 @@ def load(trainer: Any, path: str | os.PathLike) -> None:
             f"checkpoint {os.fspath(path)!r} could not be loaded on ranks {failed} (see "
             "their logs); this rank is left unchanged"
         )
-    with open(path, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    _distributed.check_same_across_ranks(
-        {"steps": loaded[1].steps, "sha256": digest},
-        f"checkpoint {os.fspath(path)!r} as read by each rank",
-    )
-    trainer.restore(*loaded)
 
 
 def _read(trainer: Any, path: str | os.PathLike) -> tuple[Any, Accountant, list, int]:
@@ -543,7 +536,13 @@ def _everyone(trainer: Any, ok: bool, what: str) -> None:
 
 
 def _atomic_write(path: str, write: Any) -> None:
-    handle, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".dpfunc-", suffix=".tmp")
+    """``write(f)`` into a temporary file beside ``path``, on disk, then renamed over it.
+
+    The file is the owner's only (``mkstemp``'s 0600); a reader sees the old
+    file or the whole new one, never a part.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    handle, tmp = tempfile.mkstemp(dir=directory, prefix=".dpfunc-", suffix=".tmp")
     try:
         with os.fdopen(handle, "wb") as f:
             write(f)
@@ -593,14 +592,7 @@ def _load_sharded(trainer: Any, path: str | os.PathLike) -> None:
         target, (state, accountant, history, seed) = _read_sharded_meta(trainer, path)
     except ValueError as caught:
         error, target = caught, ""
-    flags = _distributed.gather_flags(
-        error is None, f"the check that every rank read checkpoint {path!r}"
-    )
-    if error is not None:
-        raise error
-    if not all(flags):
-        failed = [r for r, ok in enumerate(flags) if not ok]
-        raise ValueError(f"checkpoint {path!r} could not be read on ranks {failed}")
+    _all_read(error, path)
     _distributed.check_same_across_ranks({"save": os.path.basename(target)}, f"checkpoint {path!r}")
     parts = _sharded_parts(trainer, fresh=True)  # this run's layout: DCP re-cuts the saved rows
     what = f"torch.distributed.checkpoint load from {target!r}"

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -28,6 +26,10 @@ from torch.func import functional_call
 
 import dpfunc
 from dpfunc import data
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ranks  # noqa: E402 (the launcher beside this file)
+from ranks import assert_ok, free_port, load_rank  # noqa: E402
 
 N = 48  # examples
 SAMPLE_RATE = 0.06  # expected batch 2.88: shares of 0, 1, 2, 3 examples per rank
@@ -276,61 +278,13 @@ def trainer_resume(rank: int, outdir: str) -> dict:
 # --------------------------------------------------------------------------- launching
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario, outdir, *args, timeout_s=20.0, wait_for=(0, 1)):
     """Runs the scenario on 2 ranks; returns [(returncode, output)] for the ranks in wait_for.
 
     Ranks not in ``wait_for`` are killed once those are done.
     """
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-        )
-        log = open(os.path.join(outdir, f"rank{rank}.log"), "w+")  # noqa: SIM115
-        command = [sys.executable, __file__, scenario, str(outdir), str(timeout_s), *args]
-        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-        logs.append(log)
-    deadline = time.monotonic() + GUARD_S
-    try:
-        results = []
-        for rank in wait_for:
-            try:
-                procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} of scenario {scenario!r} still runs after {GUARD_S}s")
-            logs[rank].seek(0)
-            results.append((procs[rank].returncode, logs[rank].read()))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-
-
-def load_rank(outdir, rank):
-    return torch.load(os.path.join(outdir, f"rank{rank}.pt"), weights_only=False)
-
-
-def assert_ok(results):
-    for rank, (code, log) in enumerate(results):
-        assert code == 0, f"rank {rank} exited with {code}:\n{log[-3000:]}"
-    return results
+    args = (scenario, outdir, timeout_s, *args)
+    return ranks.launch(__file__, args, outdir, 2, guard_s=GUARD_S, wait_for=wait_for)
 
 
 # --------------------------------------------------------------------------- tests

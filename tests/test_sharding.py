@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -27,6 +25,10 @@ from torch.func import functional_call
 import dpfunc
 from dpfunc import data
 from dpfunc.sharding import Sharding, check_elementwise, state_dims
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ranks  # noqa: E402 (the launcher beside this file)
+from ranks import assert_ok, free_port, load_rank  # noqa: E402
 
 N = 40  # examples
 SAMPLE_RATE = 0.15  # expected batch 6: several micro-batches of PHYSICAL rows per rank
@@ -245,60 +247,17 @@ def die_worker(rank: int, outdir: str) -> int:
 # --------------------------------------------------------------------------- launching
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario, outdir, world_size, timeout_s=60.0, wait_for=None):
     """Runs the scenario on ``world_size`` ranks; returns [(returncode, log)] of ``wait_for``."""
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world_size):
-        env = dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            OMP_NUM_THREADS="1",
-        )
-        log = open(os.path.join(outdir, f"{scenario}{world_size}-rank{rank}.log"), "w+")  # noqa: SIM115
-        command = [sys.executable, __file__, scenario, str(outdir), str(timeout_s)]
-        procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
-        logs.append(log)
-    deadline = time.monotonic() + GUARD_S
-    try:
-        results = []
-        for rank in range(world_size) if wait_for is None else wait_for:
-            try:
-                procs[rank].wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"rank {rank} of scenario {scenario!r} still runs after {GUARD_S}s")
-            logs[rank].seek(0)
-            results.append((procs[rank].returncode, logs[rank].read()))
-        return results
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in logs:
-            log.close()
-
-
-def assert_ok(results):
-    for rank, (code, log) in enumerate(results):
-        assert code == 0, f"rank {rank} exited with {code}:\n{log[-4000:]}"
+    args = (scenario, outdir, timeout_s)
+    return ranks.launch(
+        __file__, args, outdir, world_size, guard_s=GUARD_S, wait_for=wait_for,
+        log_prefix=f"{scenario}{world_size}-",
+    )  # fmt: skip
 
 
 def load_ranks(outdir, world_size):
-    return [
-        torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False)
-        for r in range(world_size)
-    ]
+    return [load_rank(outdir, r) for r in range(world_size)]
 
 
 # --------------------------------------------------------------------------- tests
