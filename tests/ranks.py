@@ -17,6 +17,12 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
+
+NEEDS_GLOO = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available",
+)
 
 
 def free_port() -> int:

@@ -19,7 +19,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
@@ -289,10 +288,7 @@ def launch(scenario, outdir, *args, timeout_s=20.0, wait_for=(0, 1)):
 
 # --------------------------------------------------------------------------- tests
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with the gloo backend is not available",
-)
+pytestmark = ranks.NEEDS_GLOO
 
 
 @pytest.fixture(scope="module")

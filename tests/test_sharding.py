@@ -16,7 +16,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint
 import torch.nn.functional as F
 from torch import nn
@@ -262,10 +261,7 @@ def load_ranks(outdir, world_size):
 
 # --------------------------------------------------------------------------- tests
 
-pytestmark = pytest.mark.skipif(
-    not (dist.is_available() and dist.is_gloo_available()),
-    reason="torch.distributed with the gloo backend is not available",
-)
+pytestmark = ranks.NEEDS_GLOO
 
 
 @pytest.fixture(scope="module")
