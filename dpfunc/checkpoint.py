@@ -238,9 +238,14 @@ def load(trainer: Any, path: str | os.PathLike) -> None:
             distributed, also when another rank failed to load it or read a
             different file. The trainer is left unchanged.
     """
-    if os.path.isdir(path) or trainer.step_fn.sharded:
+    if trainer.step_fn.sharded:
         _load_sharded(trainer, path)
         return
+    if os.path.isdir(path):  # every rank sees the same: all raise, without a collective
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} is a sharded checkpoint (a directory); load it into "
+            "a Trainer built with distributed=True, shard=True"
+        )
     if not trainer.distributed:
         trainer.restore(*_read(trainer, path))
         return
@@ -498,10 +503,23 @@ def _save_sharded(trainer: Any, path: str | os.PathLike) -> None:
         lambda: dist.broadcast_object_list(name, src=0),
     )  # fmt: skip
     target = os.path.join(path, name[0])
+    error = None
     if trainer.rank == 0:  # owner-only: the noise history and the seed are secrets
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        os.makedirs(target, mode=0o700)
-    _everyone(trainer, os.path.isdir(target) or trainer.rank != 0, f"created {target!r}")
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            os.makedirs(target, mode=0o700)
+        except OSError as caught:  # a file at path, no permission: every rank raises
+            error = caught
+    flags = _distributed.gather_flags(
+        error is None, f"the check that rank 0 created {target!r}", trainer.steps_done
+    )
+    if error is not None:
+        raise ValueError(
+            f"checkpoint_path={path!r} must be a directory for a sharded run (or not exist "
+            f"yet): {error}"
+        ) from error
+    if not flags[0]:
+        raise ValueError(f"rank 0 could not create the sharded checkpoint {path!r}; see its log")
     what = f"torch.distributed.checkpoint save into {target!r}"
     _dcp(trainer, what, lambda: dcp.save(_sharded_parts(trainer), checkpoint_id=target), OSError)
     error = None
@@ -527,14 +545,6 @@ def _save_sharded(trainer: Any, path: str | os.PathLike) -> None:
         raise RuntimeError(f"rank 0 failed to complete checkpoint {path!r}; see its log")
 
 
-def _everyone(trainer: Any, ok: bool, what: str) -> None:
-    """Raises on every rank unless ``ok`` on every rank (``what`` names what failed)."""
-    flags = _distributed.gather_flags(ok, f"the check that every rank {what}", trainer.steps_done)
-    if not all(flags):
-        failed = [r for r, flag in enumerate(flags) if not flag]
-        raise RuntimeError(f"ranks {failed} failed: {what} (see their logs)")
-
-
 def _atomic_write(path: str, write: Any) -> None:
     """``write(f)`` into a temporary file beside ``path``, on disk, then renamed over it.
 
@@ -557,11 +567,6 @@ def _atomic_write(path: str, write: Any) -> None:
 
 def _read_sharded_meta(trainer: Any, path: str) -> tuple[str, tuple]:
     """The complete save's directory and its validated replicated parts; changes nothing."""
-    if not trainer.step_fn.sharded:
-        raise ValueError(
-            f"checkpoint {path!r} is a sharded checkpoint (a directory); load it into a Trainer "
-            "built with shard=True"
-        )
     try:
         with open(os.path.join(path, LATEST)) as f:
             target = os.path.join(path, f.read().strip())

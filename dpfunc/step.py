@@ -380,7 +380,8 @@ class TrainStep:
         with ``method="auto"`` this is the plan after the choice between ghost
         and vmap, which runs (and may time both) here if the step has not yet
         seen this batch shape; a compiled step plans by the rules' cost models
-        alone, so its plan can differ.
+        alone, so its plan can differ. Sharded, pass the whole parameters
+        (:meth:`full_params`).
 
         >>> import dpfunc, torch
         >>> from torch.func import functional_call
@@ -393,6 +394,8 @@ class TrainStep:
         >>> step.explain(params, torch.randn(8, 3))
         {'weight': 'ghost', 'bias': 'ghost'}
         """
+        if self.sharded:  # the plan is of the whole parameters, as the pass sees them
+            self.collectives.layout().check(params, whole=True)
         if self._ghost is None:
             why = (
                 "vmap: method='vmap'"

@@ -447,6 +447,25 @@ def test_a_sharded_step_refuses_noise_it_did_not_draw(one_rank):
     assert int(state.step) == 1
 
 
+def test_sharded_boundaries_name_what_to_do(one_rank, tmp_path):
+    model, loss_fn, params, dataset, _ = problem("mlp")
+    step = dpfunc.distributed.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=1.0,
+        expected_batch_size=4.0, shard=True, model=model,
+    )  # fmt: skip
+    state = step.init(params)
+    batch = (dataset[0][:4], dataset[1][:4])
+    assert step.explain(step.full_params(state), batch) == step.explain(params, batch)
+    (tmp_path / "file.pt").write_bytes(b"")
+    trainer = dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
+    with pytest.raises(ValueError, match="must be a directory for a sharded run"):
+        trainer.save(tmp_path / "file.pt")  # every rank raises; none waits
+    trainer.save(tmp_path / "sharded")
+    alone = dpfunc.Trainer(*trainer_problem(), distributed=False, **TRAINER)
+    with pytest.raises(ValueError, match="is a sharded checkpoint"):
+        alone.load(tmp_path / "sharded")
+
+
 def test_check_elementwise_refuses_a_leaf_wise_optimizer_at_the_real_widths():
     def leaf_norm_scaled(lr):  # reads the whole leaf, but only from width 8 on
         def init(params):
