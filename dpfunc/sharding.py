@@ -366,8 +366,9 @@ def from_dtensors(tree: PyTree, loaded: dict[str, Tensor]) -> PyTree:
 def shard_module(model: torch.nn.Module) -> None:
     """Shards ``model`` with FSDP2's ``fully_shard`` (unless it is already), then checks it.
 
-    Every trainable parameter becomes a ``DTensor`` of this rank's dim-0 rows
-    (FSDP2's default ``Shard(0)``), so a ``torch.optim`` optimizer built on
+    Every parameter becomes a ``DTensor`` of this rank's dim-0 rows (FSDP2's
+    default ``Shard(0)``; frozen ones too, gathered for dpfunc's pass by
+    :class:`fsdp_hooks_off`), so a ``torch.optim`` optimizer built on
     ``model.parameters()`` keeps its state for those rows only, the model's
     own forward gathers what it needs (FSDP2's hooks), and
     ``model.state_dict()`` is a sharded state dict for
@@ -382,15 +383,6 @@ def shard_module(model: torch.nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise ValueError(
-            f"shard=True needs every parameter of the model trainable, but {frozen[:5]} "
-            f"{'...' if len(frozen) > 5 else ''}are frozen: FSDP2 would shard them too, and the "
-            "loss reads them from the model. For a model with frozen parts (adapters, LoRA), "
-            "use dpfunc.Trainer(..., shard=True) or dpfunc.distributed.make_train_step(..., "
-            "shard=True), with the frozen tensors passed to the loss as buffers"
-        )
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         fully_shard(model)
     for name, p in model.named_parameters():
@@ -445,20 +437,39 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 class fsdp_hooks_off:  # noqa: N801 (a context manager, named as one)
-    """Within the block, FSDP2's forward hooks on ``model`` do not run.
+    """Within the block, ``model`` is as dpfunc's pass needs it: no FSDP2 forward hooks.
 
     dpfunc's pass calls the model through ``torch.func.functional_call``
-    with the whole parameters it gathered itself; FSDP2's forward hooks
-    would swap in their own (and cannot run under ``vmap``). The module's
-    hook tables are replaced by copies without FSDP2's entries and put
-    back, the same objects, on exit.
+    with the whole trainable parameters it gathered itself; FSDP2's forward
+    hooks would swap in their own (and cannot run under ``vmap``). The
+    module's hook tables are replaced by copies without FSDP2's entries, and
+    each frozen sharded parameter (which the loss reads from the model) by
+    its whole tensor, gathered on entering (collective); all are put back,
+    the same objects, on exit.
     """
 
     def __init__(self, model: torch.nn.Module):
+        self.model = model
         self.hooks = _fsdp_hook_ids(model)
         self.saved: list[tuple[torch.nn.Module, Any, Any]] = []
+        self.frozen: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
 
     def __enter__(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        sharded_frozen = [
+            (module, name, p)
+            for module in self.model.modules()
+            for name, p in module._parameters.items()
+            if p is not None and not p.requires_grad and isinstance(p, DTensor)
+        ]
+        whole: dict[int, torch.nn.Parameter] = {}
+        for _, _, p in sharded_frozen:  # every rank in module order: the same collectives
+            if id(p) not in whole:  # a tied parameter is gathered once
+                whole[id(p)] = torch.nn.Parameter(p.full_tensor(), requires_grad=False)
+        for module, name, p in sharded_frozen:
+            module._parameters[name] = whole[id(p)]
+            self.frozen.append((module, name, p))
         for module, pre, post in self.hooks:
             self.saved.append((module, module._forward_pre_hooks, module._forward_hooks))
             module._forward_pre_hooks = type(module._forward_pre_hooks)(
@@ -471,4 +482,7 @@ class fsdp_hooks_off:  # noqa: N801 (a context manager, named as one)
     def __exit__(self, *exc: Any) -> None:
         for module, pre_hooks, hooks in self.saved:
             module._forward_pre_hooks, module._forward_hooks = pre_hooks, hooks
+        for module, name, p in self.frozen:
+            module._parameters[name] = p
         self.saved.clear()
+        self.frozen.clear()

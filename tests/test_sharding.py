@@ -184,11 +184,19 @@ def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
 
 
 def private_run(model_seed: int = 0, **shard) -> dict:
-    """PrivateGradients with torch.optim.Adam; FSDP2 shards the model when shard=True."""
-    model, loss_fn, _, dataset, _ = problem("mlp", model_seed)
+    """PrivateGradients with torch.optim.Adam; FSDP2 shards the model when shard=True.
+
+    The first layer's bias is frozen: the loss reads it from the model, whole.
+    """
+    model, loss_fn, _, dataset, _ = problem("mlp", 0)  # frozen parts: the same on every rank
+    torch.manual_seed(model_seed)  # the trainable ones: rank 0's are copied to every rank
+    for p in (model[0].weight, model[2].weight, model[2].bias):
+        torch.nn.init.normal_(p, std=0.3)
+    model[0].bias.requires_grad_(False)
     settings = {k: v for k, v in TRAINER.items() if k not in ("optimizer", "progress")}
     private = dpfunc.PrivateGradients(model, loss_fn, dataset, bands=2, **settings, **shard)
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)  # after the sharding
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(trainable, lr=0.05)  # after the sharding
     for batch in private.batches():
         private.backward(batch)
         optimizer.step()
@@ -528,12 +536,8 @@ def test_sharded_checkpoints_are_private_checked_and_never_half_loaded(
         assert torch.equal(fresh.params[k], v)
 
 
-def test_private_gradients_shard_refuses_frozen_parts_and_follows_the_models_forward(one_rank):
-    model, loss_fn, _, dataset, _ = problem("mlp")
-    model[0].bias.requires_grad_(False)
+def test_private_gradients_shard_follows_the_models_own_forward(one_rank):
     settings = {k: v for k, v in TRAINER.items() if k not in ("optimizer", "progress")}
-    with pytest.raises(ValueError, match="needs every parameter of the model trainable"):
-        dpfunc.PrivateGradients(model, loss_fn, dataset, shard=True, **settings)
     model, loss_fn, _, dataset, _ = problem("mlp")
     private = dpfunc.PrivateGradients(model, loss_fn, dataset, shard=True, **settings)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
