@@ -145,6 +145,11 @@ def worker(scenario: str, outdir: str, timeout_s: float) -> int:
                 for config in CONFIGS
             }
             result = {k: step.full_params(state) for k, (step, state) in result.items()}
+        elif scenario == "compiled":  # the step's local pieces through torch.compile
+            settings = {**TRAINER, "epochs": 0.5}
+            trainer = dpfunc.Trainer(*trainer_problem(), shard=True, compile=True, **settings)
+            trainer.fit()
+            result = trainer.full_params()
         elif scenario == "resume":
             result = resume_worker(outdir)
         elif scenario == "die":
@@ -391,6 +396,16 @@ def test_a_dead_rank_fails_the_other_clearly_and_the_checkpoint_survives(tmp_pat
     assert_ok(launch("resume", tmp_path, 2))  # the last checkpoint loads
     resumed = load_ranks(tmp_path, 2)
     assert resumed[0]["dying"]["loaded"] == 2
+
+
+@pytest.mark.slow
+def test_a_compiled_sharded_trainer_equals_one_eager_process(tmp_path):
+    assert_ok(launch("compiled", tmp_path, 2))
+    alone = dpfunc.Trainer(*trainer_problem(), distributed=False, **{**TRAINER, "epochs": 0.5})
+    alone.fit()
+    for r in load_ranks(tmp_path, 2):
+        for name, value in alone.params.items():
+            torch.testing.assert_close(r[name], value, rtol=0, atol=2e-6)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
