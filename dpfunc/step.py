@@ -741,6 +741,8 @@ class TrainStep:
         """
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
+        if not torch.compiler.is_compiling():  # compiled: its eager callers have checked
+            self._check_drawn(noise)
         # adaptive clipping: this step's noise follows the clip norm it clipped at
         std = (
             self.noise_multiplier * state.clip_state.clip_norm if self.adaptive else self.noise_std

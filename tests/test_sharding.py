@@ -463,6 +463,8 @@ def test_a_sharded_step_refuses_noise_it_did_not_draw(one_rank):
         step(state, batch, mask, plain)
     with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
         step.apply(state, step.zeros(params), plain)
+    with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
+        step.apply_reduced(state, step.zeros(state.params), plain)  # the local rest, too
     drawn = step.draw_noise(state.params, seed=SEED, step=0)
     with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
         step.logical_step(state, [(batch, mask)], drawn._replace(params=plain))
