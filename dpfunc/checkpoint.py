@@ -97,14 +97,16 @@ def check_path(path: Any) -> None:
     """Fails now, not at the first save, if checkpoints cannot be written at ``path``.
 
     A directory is accepted if it holds a sharded checkpoint (a file
-    ``latest``) or nothing.
+    ``latest`` and its saves), a first save that never completed, or nothing.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(
             f"checkpoint_path must be a str or os.PathLike, got checkpoint_path={path!r}"
         )
     directory = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) and (exists(path) or not os.listdir(path)):
+    if os.path.isdir(path) and all(
+        name == LATEST or name.startswith(("step-", ".dpfunc-")) for name in os.listdir(path)
+    ):  # a sharded checkpoint, one whose first save was interrupted, or an empty directory
         return
     if os.path.isdir(path):
         raise ValueError(f"checkpoint_path must name a file, got the directory {os.fspath(path)!r}")
@@ -520,8 +522,20 @@ def _save_sharded(trainer: Any, path: str | os.PathLike) -> None:
         ) from error
     if not flags[0]:
         raise ValueError(f"rank 0 could not create the sharded checkpoint {path!r}; see its log")
+    seen = _distributed.gather_flags(
+        os.path.isdir(target), f"the check that every rank sees {target!r}", trainer.steps_done
+    )
+    if not all(seen):
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        raise ValueError(
+            f"ranks {blind} do not see the directory {target!r} that rank 0 created: a sharded "
+            "checkpoint_path must be on storage every rank shares (the same path on every node)"
+        )
     what = f"torch.distributed.checkpoint save into {target!r}"
     _dcp(trainer, what, lambda: dcp.save(_sharded_parts(trainer), checkpoint_id=target), OSError)
+    for written in os.listdir(target):  # each rank its own files: its rows are secret too
+        if written.startswith(f"__{trainer.rank}_"):
+            os.chmod(os.path.join(target, written), 0o600)
     error = None
     if trainer.rank == 0:  # every rank's rows are written: make this save the checkpoint
         try:
@@ -570,7 +584,7 @@ def _read_sharded_meta(trainer: Any, path: str) -> tuple[str, tuple]:
     try:
         with open(os.path.join(path, LATEST)) as f:
             target = os.path.join(path, f.read().strip())
-        meta = torch.load(os.path.join(target, "dpfunc.pt"), weights_only=True)
+        meta = torch.load(os.path.join(target, "dpfunc.pt"), weights_only=True, map_location="cpu")
     except Exception as error:
         raise ValueError(f"checkpoint {path!r} is unreadable: {error}") from error
     loaded = from_state_dict(trainer, meta, path, _REPLICATED_PARTS)

@@ -155,8 +155,9 @@ class PrivateGradients(PlannedRun):
             loss_fn, optim.chain(), model=model, method=method, chunk_size=chunk_size,
             memory_budget=memory_budget, shard=shard,
         )  # fmt: skip
-        if shard:  # rank 0's parameters everywhere, then fully_shard keeps each rank's rows
-            _copy_rank0_parameters(model)
+        if plan.distributed:  # rank 0's model everywhere (then fully_shard keeps rows of it)
+            _copy_rank0_model(model)
+        if shard:
             shard_module(model)
         self._trainable = _trainable(model)  # what backward may write to, checked each time
         if compile:
@@ -347,7 +348,7 @@ class PrivateGradients(PlannedRun):
         ahead = limit is None or t + 1 < limit
         noise = self._noise.draw(params, self.seed, t, ahead=ahead)
         if any(
-            z.dtype != p.dtype or z.device != p.device
+            z.dtype != _noise_dtype(p, self.config.secure_noise) or z.device != p.device
             for z, p in zip(noise.params.values(), params.values(), strict=True)
         ):  # drawn ahead for parameters since moved or converted: draw again, as they are
             noise = self.step_fn.draw_noise(params, seed=self.seed, step=t)
@@ -361,17 +362,29 @@ class PrivateGradients(PlannedRun):
         )
 
 
-def _copy_rank0_parameters(model: nn.Module) -> None:
-    """Sets every rank's trainable parameters to rank 0's (collective; none yet sharded)."""
+def _copy_rank0_model(model: nn.Module) -> None:
+    """Sets every rank's parameters, frozen ones too, and buffers to rank 0's (collective).
+
+    As DDP does when it wraps a model: a frozen part or a buffer that
+    differed between ranks would make each rank compute with another model,
+    without a word. A model already sharded by the caller is what its rows
+    make up: its parameters are left as they are, its buffers synced.
+    """
     from torch.distributed.tensor import DTensor
 
-    trainable = _trainable(model)
-    if any(isinstance(p, DTensor) for _, p in trainable):
-        return  # already sharded by the caller: the model is what its rows make up
-    whole = broadcast_from_rank0({name: p.detach() for name, p in trainable})
+    tensors = {f"buffer:{name}": b for name, b in model.named_buffers()}
+    parameters = dict(model.named_parameters())
+    if not any(isinstance(p, DTensor) for p in parameters.values()):
+        tensors.update({f"parameter:{name}": p for name, p in parameters.items()})
+    whole = broadcast_from_rank0({key: t.detach() for key, t in tensors.items()})
     with torch.no_grad():
-        for name, p in trainable:
-            p.copy_(whole[name])
+        for key, t in tensors.items():
+            t.copy_(whole[key])
+
+
+def _noise_dtype(p: Tensor, secure: bool) -> torch.dtype:
+    """The dtype of ``p``'s noise: float64 when secure, else ``p``'s, at least float32."""
+    return torch.float64 if secure else torch.promote_types(p.dtype, torch.float32)
 
 
 def _local(p: Tensor) -> Tensor:

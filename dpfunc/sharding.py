@@ -460,6 +460,8 @@ class fsdp_hooks_off:  # noqa: N801 (a context manager, named as one)
     def __enter__(self) -> None:
         from torch.distributed.tensor import DTensor
 
+        if self.saved or self.frozen:
+            raise RuntimeError("fsdp_hooks_off is already active; enter a new one instead")
         sharded_frozen = [
             (module, name, p)
             for module in self.model.modules()

@@ -41,6 +41,7 @@ half-precision parameters, whose optimizer state and update are float32).
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 import weakref
 from collections import deque
@@ -314,8 +315,10 @@ class TrainStep:
         self._accumulate, self._apply_reduced = self.accumulate, self.apply_reduced
         self._private_gradient = self.private_gradient
         self._recurrent = recurrent_paths(model)  # checked when Dynamo traces the step
-        # sharded: the leaves of the last trees draw_noise gave, by id (see _check_drawn)
-        self._drawn: deque[dict[int, weakref.ref]] = deque(maxlen=4)
+        # sharded: the last trees draw_noise gave: (step, their leaves by id); see _check_drawn
+        self._drawn: deque[tuple[int, dict[int, weakref.ref]]] = deque(maxlen=4)
+        self._drawn_lock = threading.Lock()  # NoiseAhead draws on a worker thread
+        self._noise_checked = False  # set while an eager caller runs a checked piece
 
     # the settings the mechanisms were built with: read-only, since changing one here
     # would not change the mechanism (build another step from another config)
@@ -608,25 +611,39 @@ class TrainStep:
         micro, stats = self._clip(params, batch, mask, clip_norm, skip_padding=True)
         return tree_add(summed, micro), stats
 
-    def _check_drawn(self, noise: Params) -> None:
-        """Sharded: refuses noise that :meth:`draw_noise` did not draw for this rank's rows.
+    def _check_drawn(self, noise: Params, step: Tensor) -> None:
+        """Sharded: refuses noise that :meth:`draw_noise` did not draw for these rows and step.
 
         ``standard_normal_like(state.params, ...)`` without ``rows`` would
         give every rank with equally shaped rows the SAME noise, so the
         difference of two ranks' released rows would be the difference of
-        the clipped sums, without noise.
+        the clipped sums, without noise; a tree drawn for another step
+        would add the same noise twice, so the difference of two releases
+        would hold none.
         """
         if not self.sharded:
             return
+        with self._drawn_lock:
+            drawn = list(self._drawn)
+        t = int(step)
         for z in tree_leaves(noise):
-            if not any(d.get(id(z)) is not None and d[id(z)]() is z for d in self._drawn):
+            if not any(at == t and d.get(id(z)) is not None and d[id(z)]() is z for at, d in drawn):
                 raise ValueError(
-                    "a sharded step takes the noise from step.draw_noise(state.params, "
-                    "seed=..., step=...), which draws this rank's rows of the noise tree; noise "
-                    "drawn otherwise (standard_normal_like(state.params, ...) draws the first "
-                    "rows on every rank) would add the same noise on several ranks and release "
-                    "differences of clipped sums without noise"
+                    f"a sharded step takes the noise of step {t} from step.draw_noise("
+                    f"state.params, seed=..., step={t}), which draws this rank's rows of the noise "
+                    "tree for that step; noise drawn otherwise (standard_normal_like("
+                    "state.params, ...) draws the first rows on every rank) or for another step "
+                    "would add the same noise twice and release differences of clipped sums "
+                    "without noise"
                 )
+
+    def _run_checked(self, piece: Callable[..., Any], *args: Any) -> Any:
+        """Runs a (possibly compiled) piece that takes noise, after its eager caller checked it."""
+        self._noise_checked = True
+        try:
+            return piece(*args)
+        finally:
+            self._noise_checked = False
 
     def unclipped_count(self, state: TrainState, stats: ExampleStats) -> Tensor:
         """The count of unclipped examples in a logical batch: adaptive clipping's statistic."""
@@ -679,11 +696,11 @@ class TrainStep:
         """
         check_state(state)
         check_same_structure(noise, state.params, "noise", "params")
-        self._check_drawn(noise)
+        self._check_drawn(noise, state.step)
         if not self.sharded:  # sharded: summed is whole, the reduce-scatter checks its shapes
             check_same_structure(summed, state.params, "summed", "params")
         reduced = self.all_reduce(summed, step=state.step)
-        return self._apply_reduced(state, reduced, noise, count, count_noise)
+        return self._run_checked(self._apply_reduced, state, reduced, noise, count, count_noise)
 
     def apply_reduced(
         self,
@@ -741,8 +758,13 @@ class TrainStep:
         """
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
-        if not torch.compiler.is_compiling():  # compiled: its eager callers have checked
-            self._check_drawn(noise)
+        if self.sharded and not self._noise_checked:  # called directly, not through apply
+            if torch.compiler.is_compiling():
+                raise RuntimeError(
+                    "a sharded step checks its noise eagerly, before the compiled pieces run: "
+                    "compile it with step.compile(), not torch.compile(step.apply_reduced)"
+                )
+            self._check_drawn(noise, state.step)
         # adaptive clipping: this step's noise follows the clip norm it clipped at
         std = (
             self.noise_multiplier * state.clip_state.clip_norm if self.adaptive else self.noise_std
@@ -769,7 +791,9 @@ class TrainStep:
         rows = self.collectives.noise_rows(params)  # sharded: this rank's rows of the tree
         noise = standard_normal_like(params, seed=seed, step=step, secure=secure, rows=rows)
         if self.sharded:
-            self._drawn.append({id(z): weakref.ref(z) for z in tree_leaves(noise)})
+            drawn = {id(z): weakref.ref(z) for z in tree_leaves(noise)}
+            with self._drawn_lock:
+                self._drawn.append((step, drawn))
         if not self.adaptive:
             return StepNoise(noise, None)
         zero = {"count": torch.zeros((), dtype=torch.float64)}
@@ -813,7 +837,7 @@ class TrainStep:
             The new state and the whole logical batch's per-example stats
             (:func:`summarize` them; NOT private).
         """
-        self._check_drawn(noise.params)  # before any collective, so every rank raises alike
+        self._check_drawn(noise.params, state.step)  # before any collective: all raise alike
         summed, stats, count = self._logical_sum(state, micro_batches, before_release)
         counts = (count, noise.count) if self.adaptive else ()
         return self.apply(state, summed, noise.params, *counts), stats  # reduced over the ranks
@@ -835,12 +859,12 @@ class TrainStep:
         mechanisms' states moved (``params`` and ``opt_state`` as they were).
         :class:`dpfunc.PrivateGradients` writes ``private`` into ``p.grad``.
         """
-        self._check_drawn(noise.params)
+        self._check_drawn(noise.params, state.step)
         summed, stats, count = self._logical_sum(state, micro_batches, before_release)
         reduced = self.all_reduce(summed, step=state.step)
         counts = (count, noise.count) if self.adaptive else ()
-        private, clip_state, noise_state = self._private_gradient(
-            state, reduced, noise.params, *counts
+        private, clip_state, noise_state = self._run_checked(
+            self._private_gradient, state, reduced, noise.params, *counts
         )
         state = state._replace(step=state.step + 1, clip_state=clip_state, noise_state=noise_state)
         return private, state, stats
@@ -886,7 +910,7 @@ class TrainStep:
         """
         check_state(state)
         check_same_structure(noise, state.params, "noise", "params")
-        self._check_drawn(noise)  # before any collective, so every rank raises alike
+        self._check_drawn(noise, state.step)  # before any collective: all raise alike
         clip_norm = state.clip_state.clip_norm if self.adaptive else None
         params = self.full_params(state)
         summed, stats = self.accumulate(self.zeros(params), params, batch, mask, clip_norm)

@@ -192,11 +192,10 @@ def private_run(model_seed: int = 0, **shard) -> dict:
     """PrivateGradients with torch.optim.Adam; FSDP2 shards the model when shard=True.
 
     The first layer's bias is frozen: the loss reads it from the model, whole.
+    Every rank starts from its own model; rank 0's, frozen parts included, is
+    copied to every rank.
     """
-    model, loss_fn, _, dataset, _ = problem("mlp", 0)  # frozen parts: the same on every rank
-    torch.manual_seed(model_seed)  # the trainable ones: rank 0's are copied to every rank
-    for p in (model[0].weight, model[2].weight, model[2].bias):
-        torch.nn.init.normal_(p, std=0.3)
+    model, loss_fn, _, dataset, _ = problem("mlp", model_seed)
     model[0].bias.requires_grad_(False)
     settings = {k: v for k, v in TRAINER.items() if k not in ("optimizer", "progress")}
     private = dpfunc.PrivateGradients(model, loss_fn, dataset, bands=2, **settings, **shard)
@@ -459,17 +458,23 @@ def test_a_sharded_step_refuses_noise_it_did_not_draw(one_rank):
     batch, mask = (dataset[0][:4], dataset[1][:4]), torch.ones(4, dtype=torch.bool)
     # every rank would draw the same first rows: differences of sums without noise
     plain = dpfunc.standard_normal_like(state.params, seed=SEED, step=0)
-    with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
+    with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
         step(state, batch, mask, plain)
-    with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
+    with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
         step.apply(state, step.zeros(params), plain)
-    with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
+    with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
         step.apply_reduced(state, step.zeros(state.params), plain)  # the local rest, too
     drawn = step.draw_noise(state.params, seed=SEED, step=0)
-    with pytest.raises(ValueError, match="takes the noise from step.draw_noise"):
+    with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
         step.logical_step(state, [(batch, mask)], drawn._replace(params=plain))
     state, _ = step.logical_step(state, [(batch, mask)], drawn)  # drawn here: taken
     assert int(state.step) == 1
+    with pytest.raises(ValueError, match="takes the noise of step 1"):  # step 0's, again
+        step.logical_step(state, [(batch, mask)], drawn)
+    compiled = torch.compile(step.apply_reduced, fullgraph=True, backend="eager")
+    with pytest.raises(Exception) as caught:  # a user's own compile cannot skip the check
+        compiled(state, step.zeros(state.params), plain)
+    assert "step.compile()" in str(caught.value) or "Observed exception" in str(caught.value)
 
 
 def test_sharded_boundaries_name_what_to_do(one_rank, tmp_path):
@@ -564,6 +569,17 @@ def test_private_gradients_shard_follows_the_models_own_forward(one_rank):
         private.backward(batch)
         optimizer.step()
     assert private.steps_done == 3
+
+
+def test_a_first_sharded_save_that_never_completed_does_not_block_a_rerun(tmp_path):
+    path = tmp_path / "ckpt"
+    (path / "step-000000002-0a1b2c3d").mkdir(parents=True)  # no `latest`: never completed
+    callback = dpfunc.callbacks.Checkpoint(path)  # accepted; nothing to resume
+    assert not dpfunc.checkpoint.exists(path)
+    (path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="must name a file"):
+        dpfunc.callbacks.Checkpoint(path)  # a directory of other files is not a checkpoint
+    assert callback.path == path
 
 
 def test_shard_needs_a_distributed_run():
