@@ -84,7 +84,7 @@ class PrivateGradients(PlannedRun):
         model: the ``nn.Module`` being trained; its parameters with
             ``requires_grad=True`` are the trainable ones (read live at every
             :meth:`backward`). Distributed, every rank's model is set to rank
-            0's parameters here.
+            0's here: its parameters, frozen ones too, and its buffers.
         loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example,
             calling the model through ``torch.func.functional_call(model,
             params, ...)``; pass ``params`` alone (the model's buffers and
