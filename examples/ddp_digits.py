@@ -60,13 +60,14 @@ def main() -> None:
 
     # the same data, split and model on every rank (the Trainer checks the settings agree)
     digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.int64)
+    x = torch.tensor(digits.data, dtype=torch.float32).to(info.device) / 16.0  # NCCL: a GPU
+    y = torch.tensor(digits.target, dtype=torch.int64).to(info.device)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SEED))
     test, train = order[: len(x) // 5], order[len(x) // 5 :]
 
     torch.manual_seed(SEED)  # rank 0's initial parameters are broadcast anyway
     model = nn.Sequential(nn.Linear(64, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, 10))
+    model.to(info.device)
     params, buffers = dpfunc.functionalize(model)
 
     def loss_fn(params, example):  # ONE example, no batch dimension

@@ -68,8 +68,8 @@ def main() -> None:
     torch.set_num_threads(1)  # one core per rank
 
     digits = load_digits()  # the same data, split and model on every rank (checked)
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.int64)
+    x = torch.tensor(digits.data, dtype=torch.float32).to(info.device) / 16.0  # NCCL: a GPU
+    y = torch.tensor(digits.target, dtype=torch.int64).to(info.device)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SEED))
     test, train = order[: len(x) // 5], order[len(x) // 5 :]
 
@@ -77,7 +77,7 @@ def main() -> None:
     model = nn.Sequential(
         nn.Linear(64, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
         nn.Linear(HIDDEN, 10),
-    )  # fmt: skip
+    ).to(info.device)  # fmt: skip
     params, buffers = dpfunc.functionalize(model)
 
     def loss_fn(params, example):  # ONE example, no batch dimension; params are whole

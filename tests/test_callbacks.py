@@ -525,7 +525,7 @@ def test_loggers_on_a_one_rank_group_write_and_raise_together(tiny, tmp_path):
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dpfunc.distributed.init(init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dpfunc.distributed.init("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         trainer = tiny(distributed=True)
         assert trainer.distributed

@@ -109,7 +109,7 @@ def worker(scenario: str, outdir: str, timeout_s: float, *args: str) -> int:
     open(ready[int(os.environ["RANK"])], "w").close()
     while not all(os.path.exists(path) for path in ready):
         time.sleep(0.01)
-    info = dpfunc.distributed.init(timeout_s=timeout_s)
+    info = dpfunc.distributed.init("gloo", timeout_s=timeout_s)  # CPU tensors, GPU or not
     rank, world_size = info.rank, info.world_size
     try:
         if scenario == "main":
@@ -454,7 +454,7 @@ def test_boundaries_and_a_one_rank_group_in_this_process(monkeypatch):
         dpfunc.distributed.init()
 
     address = f"tcp://127.0.0.1:{free_port()}"
-    info = dpfunc.distributed.init(init_method=address, rank=0, world_size=1, timeout_s=10)
+    info = dpfunc.distributed.init("gloo", init_method=address, rank=0, world_size=1, timeout_s=10)
     try:
         assert info == (0, 1, torch.device("cpu"))
         with pytest.raises(RuntimeError, match="already initialised"):
