@@ -639,6 +639,8 @@ class TrainStep:
 
     def _run_checked(self, piece: Callable[..., Any], *args: Any) -> Any:
         """Runs a (possibly compiled) piece that takes noise, after its eager caller checked it."""
+        if not self.sharded:  # nothing to check: no state to set (a traced step stays pure)
+            return piece(*args)
         self._noise_checked = True
         try:
             return piece(*args)
