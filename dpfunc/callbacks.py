@@ -213,8 +213,12 @@ class Checkpoint:
     When the trainer is built and ``path`` exists, the run is resumed from
     it (with a warning that says so), so rerunning an interrupted script
     continues the run instead of overwriting it; a checkpoint of other
-    privacy settings is refused (:func:`dpfunc.checkpoint.load`). Saving is
-    collective when distributed (rank 0 writes).
+    privacy settings is refused (:func:`dpfunc.checkpoint.load`). The
+    resumed run is a new continuation: with a secret seed its samples and
+    noise from there on are freshly drawn (the fork rule). The path is held
+    by this trainer from the start (:func:`dpfunc.checkpoint.hold`): a
+    second live run on it is refused before any step. Saving is collective
+    when distributed (rank 0 writes).
 
     Raises:
         TypeError, ValueError: ``path`` cannot hold a checkpoint (its
@@ -231,6 +235,7 @@ class Checkpoint:
         self._saved_at: int | None = None
 
     def on_init(self, trainer: Any) -> None:
+        _checkpoint.hold(trainer, self.path)  # one live run per path, before any step
         resume = _checkpoint.exists(self.path)  # a file, or a sharded directory
         if trainer.distributed:  # load is collective
             _distributed.check_same_across_ranks(

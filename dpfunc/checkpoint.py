@@ -19,6 +19,14 @@ a seed other than the trainer's, except that a trainer built with
 ``seed=None`` adopts a checkpoint's seed if that seed was itself a drawn
 secret (a fixed one is refused: a run resumed from it would not be private).
 
+One live run per path. The first save to a path (and a Trainer built with
+``checkpoint_path``) takes an exclusive lock on ``.<name>.lock`` beside it for as long
+as the run lives: a second run on the same path, in this process or
+another, is refused before any step. The lock is the operating system's
+(``flock``), so a killed process leaves none behind. A save never replaces
+another run's record of accounted steps: the file at the path must be this
+run's own, or one it continued (its ``lineage`` is a prefix of this run's).
+
 Distributed, :func:`save` and :func:`load` are collective: rank 0 writes,
 every rank reads the same file, and all ranks raise together on a failure.
 
@@ -39,6 +47,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import warnings
 from typing import Any
 
 import optree
@@ -52,15 +61,22 @@ __all__ = [
     "VERSION",
     "check_path",
     "from_state_dict",
+    "hold",
     "load",
     "save",
     "settings",
     "state_dict",
 ]
 
-VERSION = 4
+VERSION = 5
 """The checkpoint format. 2: the secret seed and the noise kind. 3: the train state by parts.
 4: the same layout, written by the releases whose noise stream has random access by block.
+5: with the run's ``lineage`` (an id per continuation), which says whose file a save may replace.
+
+A version 4 checkpoint loads (its lineage is taken as empty, so any run
+resumed from it may replace it). Since version 5 a run resumed from a
+secret-seeded checkpoint draws fresh samples and noise (the fork rule,
+:meth:`dpfunc.plan.RunPlan.continue_run`), so no resume replays a step.
 
 Version 3's releases drew each step's noise from one generator over the
 whole tree; version 4's draw it block by block (:data:`dpfunc.noise.NOISE_BLOCK`),
@@ -143,23 +159,166 @@ def settings(trainer: Any) -> dict[str, Any]:
     }
 
 
+def hold(trainer: Any, path: str | os.PathLike) -> bool:
+    """Makes ``trainer`` the one live run on ``path``, for as long as it lives.
+
+    Takes an exclusive ``flock`` on ``.<name>.lock`` beside ``path`` (owner-only) and
+    keeps it open on the trainer; the operating system releases it when
+    the trainer is collected or its process ends, killed or not.
+    Distributed: collective; rank 0 holds the lock, and all ranks raise
+    together if it is taken. Holding it again is a no-op.
+
+    Returns whether this call took the lock (rank 0's answer; ``False`` elsewhere).
+
+    Raises:
+        ValueError: another live run (a Trainer in this process or another
+            process) holds ``path``.
+    """
+    error, taken = None, False
+    if trainer.rank == 0:
+        try:
+            taken = _lock(trainer, path)
+        except ValueError as caught:
+            error = caught
+    _rank0_outcome(trainer, error, f"the lock on checkpoint_path={os.fspath(path)!r}")
+    return taken
+
+
+def _release(trainer: Any, path: str | os.PathLike) -> None:
+    handle = trainer.__dict__.get("_checkpoint_locks", {}).pop(os.path.realpath(path), None)
+    if handle is not None:
+        handle.close()
+
+
+def _lock(trainer: Any, path: str | os.PathLike) -> bool:
+    locks = trainer.__dict__.setdefault("_checkpoint_locks", {})
+    key = os.path.realpath(path)
+    if key in locks:
+        return False
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock to take
+        warnings.warn(
+            "this platform has no flock: two runs on one checkpoint_path are not prevented; "
+            "give each run its own path",
+            stacklevel=4,
+        )
+        locks[key] = None
+        return True
+    folder, name = os.path.split(key)
+    handle = open(os.path.join(folder, f".{name}.lock"), "a+b")  # noqa: SIM115 (held for life)
+    os.chmod(handle.name, 0o600)
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        handle.close()
+        raise ValueError(
+            f"checkpoint_path={os.fspath(path)!r} is held by another live run (a Trainer in "
+            "this or another process): two runs on one path would overwrite each other's "
+            "record of accounted steps. Give this run another path, or finish the other one "
+            "(del trainer) and build this one again to resume it"
+        ) from error
+    locks[key] = handle
+    return True
+
+
+def _rank0_outcome(trainer: Any, error: Exception | None, what: str) -> None:
+    """Raises ``error`` (rank 0's) on this process; distributed, on every rank together."""
+    if trainer.distributed:
+        flags = _distributed.gather_flags(error is None, f"the check of {what}", trainer.steps_done)
+        if error is None and not flags[0]:
+            raise ValueError(f"rank 0 refused {what}; see its log")
+    if error is not None:
+        raise error
+
+
+def _signature(path: str | os.PathLike) -> tuple | None:
+    """What changes when anyone writes the checkpoint at ``path`` (``None``: there is none)."""
+    target = os.path.join(path, LATEST) if os.path.isdir(path) else path
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        return None
+    return (info.st_ino, info.st_mtime_ns, info.st_size)
+
+
+def _check_overwrite(trainer: Any, path: str | os.PathLike) -> None:
+    """Refuses to replace a checkpoint that is not this run's, nor one it continued.
+
+    The file at ``path`` is read unless this run wrote it last (its
+    signature unchanged since), so a run saving every epoch reads it once.
+    """
+    signature = _signature(path)
+    written = trainer.__dict__.setdefault("_checkpoints_written", {})
+    if signature is None or written.get(os.path.realpath(path)) == signature:
+        return
+    try:
+        if os.path.isdir(path):
+            with open(os.path.join(path, LATEST)) as f:
+                target = os.path.join(path, f.read().strip(), "dpfunc.pt")
+            saved = _torch_load(target)
+        else:
+            saved = _torch_load(path)
+        steps = sum(int(entry[2]) for entry in saved["accountant"]["history"])
+        lineage = _lineage(path, saved) if saved.get("version") in (4, VERSION) else None
+    except Exception as error:
+        raise ValueError(
+            f"checkpoint_path={os.fspath(path)!r} holds a file that is not a readable dpfunc "
+            "checkpoint; it is not overwritten. Give another path, or remove it yourself"
+        ) from error
+    mine = trainer.plan.lineage
+    if lineage is None or lineage != mine[: len(lineage)]:
+        raise ValueError(
+            f"checkpoint_path={os.fspath(path)!r} holds another run's checkpoint ({steps} "
+            "accounted steps), "
+            "not this run's nor one it continued: saving would erase that run's record of "
+            "what it released. Give this run another path, or build it with "
+            "checkpoint_path=that path to continue that run"
+        )
+
+
+def _wrote(trainer: Any, path: str | os.PathLike) -> None:
+    written = trainer.__dict__.setdefault("_checkpoints_written", {})
+    written[os.path.realpath(path)] = _signature(path)
+
+
 def save(trainer: Any, path: str | os.PathLike) -> None:
     """Writes ``trainer``'s checkpoint atomically: a temporary file, then a rename.
 
+    The path is this run's from the first save on (:func:`hold`), and the
+    file there is replaced only if this run wrote it or continued it.
     Distributed: collective, call it on every rank. Rank 0 writes (the
     ranks' states are identical); then all ranks wait until the file is
     complete, and all raise if rank 0 failed to write it.
+
+    Raises:
+        ValueError: another live run holds ``path``, or ``path`` holds
+            another run's checkpoint or a file that is not a checkpoint.
     """
+    taken = hold(trainer, path)
+    error = None
+    if trainer.rank == 0:
+        try:
+            _check_overwrite(trainer, path)
+        except ValueError as caught:
+            error = caught
+            if taken:  # a refused save leaves the path to whoever it belongs to
+                _release(trainer, path)
+    _rank0_outcome(trainer, error, f"checkpoint_path={os.fspath(path)!r}")
     if not trainer.distributed:
         _write(trainer, path)
+        _wrote(trainer, path)
         return
     if trainer.step_fn.sharded:
         _save_sharded(trainer, path)
+        if trainer.rank == 0:
+            _wrote(trainer, path)
         return
     error = None
     if trainer.rank == 0:
         try:
             _write(trainer, path)
+            _wrote(trainer, path)
         except Exception as caught:
             error = caught
     flags = _distributed.gather_flags(
@@ -189,15 +348,16 @@ def state_dict(trainer: Any, parts: tuple[str, ...] = STATE_PARTS) -> dict[str, 
         "accountant": trainer.accountant.state_dict(),
         "history": trainer.history,
         "seed_secret": trainer.seed_is_secret,
+        "lineage": list(trainer.plan.lineage),
     }
 
 
 def from_state_dict(
     trainer: Any, checkpoint: Any, where: str, parts: tuple[str, ...] = STATE_PARTS
-) -> tuple[Any, Accountant, list, int]:
+) -> tuple[Any, Accountant, list, int, list[str]]:
     """Validates :func:`state_dict`'s output for ``trainer``; changes nothing.
 
-    Returns ``(state, accountant, history, seed)`` for ``trainer.restore``:
+    Returns ``(state, accountant, history, seed, lineage)`` for ``trainer.restore``:
     ``trainer.state`` with ``parts`` replaced by the saved ones. ``where``
     names the checkpoint in messages (a path, or ``"state_dict"``).
 
@@ -210,7 +370,7 @@ def from_state_dict(
         _check_settings(trainer, where, checkpoint["config"])
         state = _state(trainer, where, checkpoint, parts)
         _check_not_behind(trainer, where, state[1].steps)
-        return state
+        return (*state, _lineage(where, checkpoint))
     except ValueError:
         raise
     except Exception as error:  # missing keys, wrong types: a malformed checkpoint
@@ -287,11 +447,25 @@ def _read(trainer: Any, path: str | os.PathLike) -> tuple[Any, Accountant, list,
     Raises ValueError for every kind of bad file, so that in a distributed
     run every rank reaches the collective that compares the outcomes.
     """
+    return from_state_dict(trainer, _torch_load(path), path)
+
+
+def _torch_load(path: str | os.PathLike) -> Any:
+    """``torch.load`` of a checkpoint file; a file that is not one raises ``ValueError``.
+
+    torch's own message for a damaged file suggests ``weights_only=False``,
+    which would not repair it (and would run code from the file): the
+    message says what the file is instead.
+    """
     try:
-        checkpoint = torch.load(path, weights_only=True, map_location="cpu")
+        return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as error:  # torch raises many types for a bad file
-        raise ValueError(f"checkpoint {os.fspath(path)!r} is unreadable: {error}") from error
-    return from_state_dict(trainer, checkpoint, path)
+        raise ValueError(
+            f"checkpoint {os.fspath(path)!r} is unreadable: it is damaged (truncated or "
+            "overwritten) or not a dpfunc checkpoint (torch.load said "
+            f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+            "Resume from an intact copy, or give another checkpoint_path to start a new run"
+        ) from error
 
 
 def _check_seed(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> None:
@@ -323,7 +497,7 @@ def _check_seed(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> None:
             "epsilon still holds for what it released; finish it with the release that wrote "
             "it, or start a new run."
         )
-    if version != VERSION:
+    if version not in (4, VERSION):
         raise ValueError(f"{os.fspath(path)!r} is not a dpfunc checkpoint (version {VERSION})")
     seed, secret = checkpoint["config"]["seed"], checkpoint["seed_secret"]
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -342,6 +516,14 @@ def _check_seed(trainer: Any, path: str | os.PathLike, checkpoint: Any) -> None:
             "its noise. To continue it as the reproducible run it is, build the trainer with "
             "that seed; for a private run, start anew with seed=None."
         )
+
+
+def _lineage(where: str | os.PathLike, checkpoint: dict[str, Any]) -> list[str]:
+    """The saved run's continuation ids (a version 4 checkpoint has none)."""
+    lineage = checkpoint.get("lineage", [])
+    if not isinstance(lineage, list) or not all(isinstance(i, str) for i in lineage):
+        raise ValueError(f"checkpoint {os.fspath(where)!r} holds no valid lineage")
+    return list(lineage)
 
 
 def _check_not_behind(trainer: Any, where: str | os.PathLike, saved_steps: int) -> None:
@@ -608,7 +790,7 @@ def _load_sharded(trainer: Any, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     error = None
     try:
-        target, (state, accountant, history, seed) = _read_sharded_meta(trainer, path)
+        target, loaded = _read_sharded_meta(trainer, path)
     except ValueError as caught:
         error, target = caught, ""
     _all_read(error, path)
@@ -616,7 +798,8 @@ def _load_sharded(trainer: Any, path: str | os.PathLike) -> None:
     parts = _sharded_parts(trainer, fresh=True)  # this run's layout: DCP re-cuts the saved rows
     what = f"torch.distributed.checkpoint load from {target!r}"
     _dcp(trainer, what, lambda: dcp.load(parts, checkpoint_id=target), ValueError)
+    state, *rest = loaded
     state = state._replace(
         **{part: from_dtensors(getattr(state, part), parts[part]) for part in _SHARDED_PARTS}
     )
-    trainer.restore(state, accountant, history, seed)
+    trainer.restore(state, *rest)

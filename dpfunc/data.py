@@ -656,7 +656,7 @@ class PoissonBatches:
 
     @property
     def seed(self) -> int:
-        """The secret that keys the sample of every step (and the partitions)."""
+        """The secret that keys the samples (and the partitions, unless :meth:`rekey` moved it)."""
         return self.sampler_state.seed
 
     @seed.setter
@@ -664,6 +664,17 @@ class PoissonBatches:
         """Adopts another secret (e.g. a resumed run's): everything it keys is derived again."""
         check_seed(seed)
         self.sampler_state = self.sampler.init(seed)
+
+    def rekey(self, stream_seed: int) -> None:
+        """Keys the samples of the steps to come with ``stream_seed``; the partitions stay.
+
+        A run continued from a checkpoint samples its steps afresh (two
+        continuations of one checkpoint must not share a sample or a noise
+        draw), while every example stays in the partition the run's own
+        seed gave it, as cyclic Poisson sampling's guarantee needs.
+        """
+        check_seed(stream_seed)
+        self.sampler_state = self.sampler_state._replace(seed=stream_seed)
 
     @property
     def partitions(self) -> list[Tensor]:

@@ -13,11 +13,20 @@ The seed is a secret. By default (``seed=None``) it is drawn from the
 operating system's CSPRNG (:func:`dpfunc.secret_seed`; distributed: on rank
 0, broadcast) and lives in memory and in checkpoints only; a fixed seed is
 for reproducible research, since whoever knows it can remove the noise.
+
+The fork rule. A run continued from a checkpoint (or a ``state_dict``) of a
+secret-seeded run draws a fresh secret for the samples and the noise of the
+steps to come (:meth:`RunPlan.continue_run`), so two continuations of one
+checkpoint never release a step with the same sample or noise: releasing
+both composes their epsilons, as two runs on the same data do. The
+partitions of cyclic Poisson sampling stay those of the run's own seed. A
+fixed seed resumes bit-identically (it is public anyway).
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -57,8 +66,11 @@ class RunPlan:
     ``total_steps`` (``None`` without ``epochs``), ``physical_batch_size``,
     ``distributed``, ``rank``, ``world_size``, ``adopts_seed`` (built with
     ``seed=None``: may adopt a loaded checkpoint's drawn secret),
-    ``seed_is_secret`` and ``batches`` (the :class:`dpfunc.data.PoissonBatches`
-    the seed keys; ``batches.seed`` is the secret).
+    ``seed_is_secret``, ``batches`` (the :class:`dpfunc.data.PoissonBatches`
+    the seed keys), ``stream_seed`` (the secret that keys the samples and
+    the noise of the steps to come: the seed, or a continuation's fresh
+    one) and ``lineage`` (an id per continuation, oldest first: whose
+    checkpoint this run may overwrite).
 
     Raises:
         ValueError, TypeError: an argument is invalid (named with its value),
@@ -103,6 +115,8 @@ class RunPlan:
             standard_normal_like({}, seed=seed, step=0, secure=True)
         if self.distributed:
             self._check_ranks_agree(dataset, seed)
+        self._seed = seed
+        self.lineage = [uuid.uuid4().hex]  # not a secret: names this run's checkpoints
         self.batches = config.sampler(
             dataset,
             self.physical_batch_size,
@@ -115,7 +129,12 @@ class RunPlan:
 
     @property
     def seed(self) -> int:
-        """The secret that keys the samples, the partitions and the noise (never print it)."""
+        """The run's secret: it keys the partitions, and the samples and noise until a resume."""
+        return self._seed
+
+    @property
+    def stream_seed(self) -> int:
+        """The secret that keys the samples and the noise of the steps to come (never print it)."""
         return self.batches.seed
 
     def make_step(self, loss_fn: Any, optimizer: Any, *, shard: bool, **how: Any) -> TrainStep:
@@ -140,7 +159,23 @@ class RunPlan:
     def adopt_seed(self, seed: int) -> None:
         """Takes a loaded run's drawn secret: the partitions are derived again from it."""
         if seed != self.seed:
-            self.batches.seed, self.seed_is_secret = seed, True
+            self._seed = self.batches.seed = seed
+            self.seed_is_secret = True
+
+    def continue_run(self, lineage: list[str]) -> None:
+        """Makes this run a new continuation of a loaded one, whose ``lineage`` it extends.
+
+        With a secret seed, the samples and the noise of the steps to come
+        are keyed by a fresh secret from the OS CSPRNG (distributed: rank
+        0's, broadcast; collective), so no two continuations of one
+        checkpoint share a draw, and a crash recovery continues with draws
+        no one has seen. A fixed seed keeps its stream: the continuation is
+        bit-identical, and public, as the run was.
+        """
+        self.lineage = [*lineage, uuid.uuid4().hex]
+        if self.seed_is_secret:
+            fresh = _distributed.shared_secret_seed() if self.distributed else secret_seed()
+            self.batches.rekey(fresh)
 
     def _physical_batch_size(self, size: int | None) -> int:
         if size is None:
@@ -272,8 +307,13 @@ class PlannedRun:
 
     @property
     def seed(self) -> int:
-        """The secret that keys the samples, the partitions and the noise (never print it)."""
+        """The run's secret, which its checkpoints hold and compare (never print it)."""
         return self.plan.seed
+
+    @property
+    def stream_seed(self) -> int:
+        """The secret that keys the samples and the noise of the steps to come (never print it)."""
+        return self.plan.stream_seed
 
     @property
     def clip_norm(self) -> float:
@@ -303,10 +343,18 @@ class PlannedRun:
         return privacy_report(self.config, self.accountant, self.num_examples,
                               seed_is_secret=self.seed_is_secret, delta=delta)  # fmt: skip
 
-    def restore(self, state: TrainState, accountant: Any, history: list, seed: int) -> None:
-        """Takes a validated checkpoint's contents (:func:`dpfunc.checkpoint.from_state_dict`)."""
-        self.state, self.accountant, self.history = state, accountant, history
+    def restore(
+        self, state: TrainState, accountant: Any, history: list, seed: int, lineage: list[str]
+    ) -> None:
+        """Takes a validated checkpoint's contents (:func:`dpfunc.checkpoint.from_state_dict`).
+
+        The run becomes a new continuation of the saved one: with a secret
+        seed its samples and noise from here on are freshly keyed (the fork
+        rule, :meth:`RunPlan.continue_run`).
+        """
         self.plan.adopt_seed(seed)  # a secret drawn by the saved run: partitions derived again
+        self.plan.continue_run(lineage)
+        self.state, self.accountant, self.history = state, accountant, history
 
     def _before_release(self, t: int, metrics: dict[str, float]) -> Callable[[ExampleStats], None]:
         """Step ``t``'s check before its release: metrics, non-finite examples, accounting."""

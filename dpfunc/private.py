@@ -31,16 +31,40 @@ parameters are trainable or in their shapes (a PEFT wrap injects adapters
 and freezes the rest). An optimizer built on the old parameters would then
 train tensors the gradient is never written to. Build ``PrivateGradients``
 (and the optimizer) after such changes.
+
+``p.grad`` belongs to the private step. From :meth:`~PrivateGradients.backward`
+until the gradient is cleared (``optimizer.zero_grad()``), an autograd
+gradient into a trainable parameter (a later ``loss.backward()``, the habit
+from Opacus, where it would be added to the private gradient) is refused
+at once, before it reaches ``.grad``. Before any ``torch.optim`` optimizer
+steps, a trainable parameter's ``.grad`` must be the private gradient
+``backward`` wrote, and a frozen parameter of the model must hold none: a
+gradient from anywhere else (autograd after ``zero_grad``, a stale one on a
+parameter frozen later) would move the model by a non-private gradient, and
+the step is refused. ``backward`` clears stale gradients of frozen
+parameters, with a warning.
+
+A batch is what the sampler drew. :meth:`~PrivateGradients.batches` yields a
+copy of each batch; :meth:`~PrivateGradients.backward` computes from the
+sampler's own, and refuses a yielded batch that was changed (a mask edited,
+a micro-batch replaced or augmented in place: augmentation belongs in
+``loss_fn``).
 """
 
 from __future__ import annotations
 
+import threading
+import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any, NamedTuple
 
+import optree
 import torch
 from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import checkpoint as _checkpoint
 from . import optim
@@ -177,7 +201,12 @@ class PrivateGradients(PlannedRun):
         self.accountant = plan.config.accountant()
         self.history: list[dict[str, float]] = []  # for checkpoints; PrivateGradients keeps none
         self._noise = NoiseAhead(self.step_fn)
-        self._issued: list[MicroBatch] | None = None  # the batch batches() yielded last
+        self._issued: list[MicroBatch] | None = None  # the sampler's batch of the next step
+        self._yielded: LogicalBatch | None = None  # the copy of it batches() yielded
+        self._yielded_versions: list[tuple[int, int]] = []  # its tensors (id, version) then
+        self._written: dict[str, Tensor] = {}  # the private gradient each p.grad must be
+        self._in_backward = False
+        _guard(self)
 
     def batches(self, steps: int | None = None) -> Iterator[LogicalBatch]:
         """Yields the next logical batches, from step :attr:`steps_done` on.
@@ -208,8 +237,11 @@ class PrivateGradients(PlannedRun):
                     "done: call backward(batch) on each batch before taking the next"
                 )
             micro_batches, size = self.plan.batches.logical_batch(t)
-            self._issued = micro_batches  # backward takes this batch, and no other
-            yield LogicalBatch(t, micro_batches, size)
+            self._issued = micro_batches  # backward computes from this batch, and no other
+            copy = LogicalBatch(t, optree.tree_map(_clone, micro_batches), size)
+            self._yielded = copy
+            self._yielded_versions = [(id(t), t._version) for t in _tensors(copy.micro_batches)]
+            yield copy
             t += 1
 
     def backward(self, batch: LogicalBatch) -> dict[str, float]:
@@ -248,24 +280,93 @@ class PrivateGradients(PlannedRun):
                 f"batch is step {batch.step}'s, but the next step is {t}: each logical batch is "
                 "released once, in order (take batches from batches())"
             )
-        if batch.micro_batches is not self._issued:
+        self._check_yielded(batch, t)
+        self.plan.check_next_step(t)
+        params = self._live_params()
+        self._clear_frozen()
+        state = self._state_for(params)
+        noise = self._draw_noise(params, t)
+        metrics: dict[str, float] = {}
+        self._in_backward = True
+        try:
+            with fsdp_hooks_off(self.model) if self.step_fn.sharded else nullcontext():
+                private, state, _ = self.step_fn.logical_gradient(
+                    state, self._issued, noise, before_release=self._before_release(t, metrics)
+                )
+        finally:
+            self._in_backward = False
+        for name, p in self._trainable:
+            p.grad = _like(p, private[name].to(p.dtype))
+            self._written[name] = p.grad
+        self.state = state._replace(params=params)
+        self._issued = self._yielded = None
+        return metrics
+
+    def _check_yielded(self, batch: LogicalBatch, t: int) -> None:
+        """Refuses a batch that is not the copy :meth:`batches` yielded for step ``t``, as yielded."""
+        yielded = self._yielded
+        if yielded is None or batch is not yielded and (
+            batch.micro_batches is not yielded.micro_batches or batch.size != yielded.size
+        ):
             raise ValueError(
                 f"batch is not the one batches() yielded for step {t}: only the Poisson sample "
                 "of the step, keyed by the secret seed, is accounted as such"
             )
-        self.plan.check_next_step(t)
-        params = self._live_params()
-        state = self._state_for(params)
-        noise = self._draw_noise(params, t)
-        metrics: dict[str, float] = {}
-        with fsdp_hooks_off(self.model) if self.step_fn.sharded else nullcontext():
-            private, state, _ = self.step_fn.logical_gradient(
-                state, batch.micro_batches, noise, before_release=self._before_release(t, metrics)
+        leaves = _tensors(batch.micro_batches)
+        if len(batch.micro_batches) != len(self._issued) or [
+            (id(t), t._version) for t in leaves
+        ] != self._yielded_versions:
+            raise ValueError(
+                f"the batch of step {t} was changed after batches() yielded it (a mask or an "
+                "example edited in place, or a micro-batch replaced): backward releases the "
+                "sampler's own batch, and a changed copy says the caller meant another. Leave "
+                "the batch as yielded; transform examples (augmentation, moving to a device) "
+                "inside loss_fn"
             )
-        for name, p in self._trainable:
-            p.grad = _like(p, private[name].to(p.dtype))
-        self.state = state._replace(params=params)
-        return metrics
+
+    def _clear_frozen(self) -> None:
+        """Clears the ``.grad`` of the model's frozen parameters (a stale one would be stepped)."""
+        stale = [name for name, p in self.model.named_parameters()
+                 if not p.requires_grad and p.grad is not None]  # fmt: skip
+        if stale:
+            for name, p in self.model.named_parameters():
+                if not p.requires_grad:
+                    p.grad = None
+            warnings.warn(
+                f"cleared the .grad of frozen parameters {stale[:5]}"
+                f"{'...' if len(stale) > 5 else ''}: PrivateGradients does not train them, and "
+                "an optimizer holding them would have moved them by that non-private gradient",
+                stacklevel=3,
+            )
+
+    def _pending(self, name: str, p: Tensor) -> bool:
+        """Whether ``p.grad`` holds the private gradient of the last backward (not yet cleared)."""
+        written = self._written.get(name)
+        return written is not None and p.grad is written
+
+    def _foreign_grad(self, p: Tensor, name: str | None) -> str | None:
+        """Why ``p.grad`` must not be stepped, or ``None`` (an optimizer's pre-step check).
+
+        ``name``: ``p``'s name if it is trainable here, ``None`` for a frozen one.
+        """
+        if p.grad is None:
+            return None
+        if name is not None and p.requires_grad:
+            if self._pending(name, p):
+                return None
+            return (
+                f"the .grad of trainable parameter {name!r} is not the private gradient "
+                "PrivateGradients.backward wrote (autograd's, after zero_grad, or one set by "
+                "hand): stepping it would train on the data without clipping or noise. Call "
+                "private.backward(batch) after any loss.backward(), then optimizer.step()"
+            )
+        if not p.requires_grad:
+            return (
+                "a frozen parameter of the model holds a .grad that PrivateGradients did not "
+                "write: stepping it would move the parameter by a non-private gradient. Clear "
+                "it (p.grad = None) or call private.backward(batch), which clears it"
+            )
+        return None
 
     def full_params(self) -> Params:
         """The model's whole trainable parameters now (detached; sharded: gathered, collective)."""
@@ -346,12 +447,12 @@ class PrivateGradients(PlannedRun):
     def _draw_noise(self, params: Params, t: int) -> StepNoise:
         limit = self.plan.last_step()
         ahead = limit is None or t + 1 < limit
-        noise = self._noise.draw(params, self.seed, t, ahead=ahead)
+        noise = self._noise.draw(params, self.stream_seed, t, ahead=ahead)
         if any(
             z.dtype != _noise_dtype(p, self.config.secure_noise) or z.device != p.device
             for z, p in zip(noise.params.values(), params.values(), strict=True)
         ):  # drawn ahead for parameters since moved or converted: draw again, as they are
-            noise = self.step_fn.draw_noise(params, seed=self.seed, step=t)
+            noise = self.step_fn.draw_noise(params, seed=self.stream_seed, step=t)
         return noise
 
     def __repr__(self) -> str:  # the seed is a secret: never in a repr or a log
@@ -360,6 +461,69 @@ class PrivateGradients(PlannedRun):
             f"noise_multiplier={self.noise_multiplier:.6g}, clip_norm={self.clip_norm:.6g}, "
             f"expected_batch_size={self.expected_batch_size:g})"
         )
+
+
+def _clone(leaf: Any) -> Any:
+    return leaf.clone() if isinstance(leaf, Tensor) else leaf
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    return [leaf for leaf in optree.tree_leaves(tree) if isinstance(leaf, Tensor)]
+
+
+# ------------------------------------------------------------------ p.grad belongs to the step
+
+# parameter -> (its run, held weakly; its name if trainable there, else None)
+_GUARDED = WeakIdKeyDictionary()
+_GUARD_LOCK = threading.Lock()
+_OPTIMIZER_HOOK: list[Any] = []  # the handle of the one global optimizer pre-step hook
+
+
+def _guard(private: PrivateGradients) -> None:
+    """Guards the ``.grad`` of ``private``'s model (see the module docstring).
+
+    Each trainable parameter gets a tensor hook that refuses an autograd
+    gradient while it holds an unapplied private gradient; every
+    ``torch.optim`` optimizer gets one pre-step check (registered once,
+    globally) of the parameters of live ``PrivateGradients``. Both hold
+    the run weakly: a collected run guards nothing.
+    """
+    run = weakref.ref(private)
+    with _GUARD_LOCK:
+        for p in private.model.parameters():
+            _GUARDED[p] = (run, None)
+        for name, p in private._trainable:
+            p.register_hook(_refuse_autograd(run, name, weakref.ref(p)))
+            _GUARDED[p] = (run, name)
+        if not _OPTIMIZER_HOOK:
+            _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_before_step))
+
+
+def _refuse_autograd(run: Any, name: str, parameter: Any) -> Any:
+    def hook(grad: Tensor) -> None:
+        private, p = run(), parameter()
+        if private is None or p is None or private._in_backward or not private._pending(name, p):
+            return
+        raise RuntimeError(
+            f"autograd computed a gradient for {name!r}, whose .grad holds the private gradient "
+            f"of step {private.steps_done - 1} not yet applied: a loss.backward() between "
+            "private.backward(batch) and optimizer.step() would add a non-private gradient to it "
+            "(in Opacus, step() replaced it; here nothing may). Call loss.backward() before "
+            "private.backward(batch), or after optimizer.zero_grad(); for a loss you only log, "
+            "compute it under torch.no_grad()"
+        )
+
+    return hook
+
+
+def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Refuses an optimizer step that would apply a gradient the private step did not write."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            run, name = _GUARDED.get(p, (None, None))
+            private = run() if run is not None else None
+            if private is not None and (why := private._foreign_grad(p, name)) is not None:
+                raise RuntimeError(f"{type(optimizer).__name__}.step() refused: {why}")
 
 
 def _copy_rank0_model(model: nn.Module) -> None:

@@ -43,6 +43,10 @@ NOT_COVERED = (
     "among runs is a release of its own, not accounted here",
     "the checkpoint's secret: a checkpoint holds the secret seed, with which anyone can remove "
     "the noise from every update; a checkpoint is as sensitive as the training data",
+    "continuations of one checkpoint: each resume of a secret-seeded run draws fresh samples "
+    "and noise (no two continuations share a draw), so releasing two continuations of one "
+    "checkpoint (a sweep from it, a rerun after a crash whose later steps were shown) composes "
+    "their epsilons; each report covers its own continuation only",
     "side channels of the training process (its timing, memory, the realised batch sizes)",
 )
 """What the guarantee of a report does not cover, in the words the report prints."""

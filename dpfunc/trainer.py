@@ -192,7 +192,7 @@ class Trainer(PlannedRun):
         lr = learning_rate(self.step_fn.optimizer, self.state.opt_state)  # this update's
 
         limit = self.plan.last_step()  # draws ahead only a step that may come
-        noise = self._noise.draw(self.state.params, self.seed, t, ahead=t + 1 < limit)
+        noise = self._noise.draw(self.state.params, self.stream_seed, t, ahead=t + 1 < limit)
         micro_batches, _ = self.batches.logical_batch(t)
         self.state, _ = self.step_fn.logical_step(
             self.state, micro_batches, noise, before_release=self._before_release(t, metrics)

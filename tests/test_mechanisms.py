@@ -223,7 +223,7 @@ def test_checkpoints_store_the_state_by_part(tmp_path):
     run.fit(max_steps=2)
     run.save(path)
     saved = torch.load(path, weights_only=True)
-    assert saved["version"] == checkpoint.VERSION == 4
+    assert saved["version"] == checkpoint.VERSION == 5
     assert tuple(saved["state"]) == checkpoint.STATE_PARTS
     assert [h.shape for h in saved["state"]["noise_state"]] == [
         h.shape for h in optree.tree_leaves(run.state.noise_state)

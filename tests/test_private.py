@@ -144,7 +144,7 @@ def test_each_example_moves_the_gradient_by_at_most_the_clip_norm():
             assert norm > 0.2499  # the outlier is clipped, not dropped
 
 
-def test_backward_overwrites_gradients_and_leaves_frozen_parameters_alone():
+def test_backward_overwrites_gradients_and_clears_those_of_frozen_parameters():
     model = mlp()
     model[0].bias.requires_grad_(False)
     model[0].bias.grad = torch.full_like(model[0].bias, 5.0)
@@ -152,14 +152,15 @@ def test_backward_overwrites_gradients_and_leaves_frozen_parameters_alone():
         if p.requires_grad:
             p.grad = torch.full_like(p, 1e6)  # a stale gradient the user forgot to zero
     private = private_for(model)
-    private.backward(next(private.batches()))
+    with pytest.warns(UserWarning, match=r"cleared the .grad of frozen parameters \['0.bias'\]"):
+        private.backward(next(private.batches()))
     fresh_model = mlp()
     fresh_model[0].bias.requires_grad_(False)
     fresh = private_for(fresh_model)
     fresh.backward(next(fresh.batches()))
     for (name, p), q in zip(model.named_parameters(), fresh_model.parameters()):
-        if name == "0.bias":
-            assert torch.equal(p.grad, torch.full_like(p, 5.0))
+        if name == "0.bias":  # stale: an optimizer would have stepped it
+            assert p.grad is None
         else:
             assert torch.equal(p.grad, q.grad)
 
@@ -270,24 +271,24 @@ def test_a_peft_wrap_after_building_is_refused():
 
 
 def test_state_dict_resumes_bit_identically_with_the_optimizer():
+    """With a fixed seed; a secret one continues with fresh draws (tests/test_misuse.py)."""
     def run(model, private, optimizer, steps):
         train(private, optimizer, steps)
         return private
 
     model = mlp()
-    whole = private_for(model, seed=None, bands=2, expected_batch_size=4.0)
+    whole = private_for(model, seed=2024, bands=2, expected_batch_size=4.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     run(model, whole, optimizer, None)
 
     model = mlp()
-    first = private_for(model, seed=None, bands=2, expected_batch_size=4.0)
-    first.plan.adopt_seed(whole.seed)  # the same secret, as a resumed run would hold
+    first = private_for(model, seed=2024, bands=2, expected_batch_size=4.0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     run(model, first, optimizer, 4)
     saved = (first.state_dict(), model.state_dict(), optimizer.state_dict())
 
     resumed_model = mlp(seed=5)
-    resumed = private_for(resumed_model, seed=None, bands=2, expected_batch_size=4.0)
+    resumed = private_for(resumed_model, seed=2024, bands=2, expected_batch_size=4.0)
     resumed_optimizer = torch.optim.AdamW(resumed_model.parameters(), lr=0.05)
     resumed.load_state_dict(saved[0])
     resumed_model.load_state_dict(saved[1])
@@ -299,7 +300,7 @@ def test_state_dict_resumes_bit_identically_with_the_optimizer():
     for name, p in resumed_model.named_parameters():
         assert torch.equal(p, whole_params[name]), name
 
-    other = private_for(mlp(), seed=None, clip_norm=0.5)
+    other = private_for(mlp(), seed=2024, clip_norm=0.5)
     with pytest.raises(ValueError, match="clip_norm"):
         other.load_state_dict(saved[0])
     assert other.steps_done == 0

@@ -1,0 +1,336 @@
+"""Ordinary mistakes never break the printed guarantee: each is refused, or gives the right result.
+
+Each test is a habit of a user porting a loop from another library, or a slip
+anyone makes (resuming one checkpoint twice, two runs on one path, editing the
+batch they were handed), measured with the noise either off (so any
+non-private leak shows exactly) or on (so shared noise shows as a noiseless
+difference).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call
+
+import dpfunc
+
+CLIP = 1.05
+EXPECTED = 20.0
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def data(n: int = 60):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(n, 5, generator=g) * 3, torch.randint(0, 3, (n,), generator=g)
+
+
+def loss_for(model):
+    def loss_fn(params, example):
+        x, y = example
+        return F.cross_entropy(functional_call(model, params, (x[None],)), y[None])
+
+    return loss_fn
+
+
+def private_for(model, noise_multiplier=0.0, **overrides):
+    settings = dict(
+        expected_batch_size=EXPECTED, clip_norm=CLIP, noise_multiplier=noise_multiplier,
+        delta=1e-5, epochs=2, method="vmap",
+    )  # fmt: skip
+    settings.update(overrides)
+    return dpfunc.PrivateGradients(model, loss_for(model), data(), **settings)
+
+
+def grad_norm(model):
+    return float(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm())
+
+
+# ------------------------------------------------------------------ p.grad belongs to the step
+
+
+def test_a_later_loss_backward_is_refused_before_it_reaches_the_private_gradient():
+    """Opacus habit: backward of the private step, then loss.backward(), then step."""
+    model = mlp()
+    private = private_for(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = next(private.batches())
+    private.backward(batch)
+    written = {name: p.grad.clone() for name, p in model.named_parameters()}
+    bound = CLIP * private.plan.batches.indices(0).numel() / EXPECTED
+    assert grad_norm(model) <= bound * (1 + 1e-6)
+    x, y = data()
+    loss = F.cross_entropy(model(x[:8]), y[:8])
+    with pytest.raises(RuntimeError, match="before private.backward.*or after optimizer.zero_grad"):
+        loss.backward()
+    for name, p in model.named_parameters():  # nothing was added
+        assert torch.equal(p.grad, written[name]), name
+    optimizer.step()  # the private gradient alone: allowed
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x[:8]), y[:8])
+    loss.backward()  # after zero_grad autograd may write again...
+    with pytest.raises(RuntimeError, match="SGD.step.. refused.*not the private gradient"):
+        optimizer.step()  # ...but its gradient is never stepped
+
+
+def test_the_opacus_order_loss_backward_then_private_backward_steps_the_private_gradient():
+    model = mlp()
+    private = private_for(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+    for batch in private.batches(3):
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()  # overwritten by the private gradient
+        private.backward(batch)
+        optimizer.step()
+    assert private.steps_done == 3
+
+
+def test_a_stale_gradient_on_a_frozen_parameter_never_moves_it():
+    model = mlp()
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()  # a non-private gradient everywhere
+    model[0].bias.requires_grad_(False)  # then frozen, its .grad left behind
+    frozen = model[0].bias.detach().clone()
+    private = private_for(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # holds the frozen bias too
+    with pytest.warns(UserWarning, match="cleared the .grad of frozen parameters"):
+        for batch in private.batches(2):  # the README loop
+            private.backward(batch)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert torch.equal(model[0].bias.detach(), frozen)
+    private.backward(next(private.batches(1)))
+    model[0].bias.grad = torch.ones_like(frozen)  # set by hand after backward
+    with pytest.raises(RuntimeError, match="frozen parameter .* holds a .grad"):
+        optimizer.step()
+
+
+def test_the_guard_holds_nothing_once_the_run_is_gone():
+    model = mlp()
+    private = private_for(model)
+    private.backward(next(private.batches(1)))
+    del private
+    gc.collect()
+    x, y = data()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.cross_entropy(model(x), y).backward()  # the model is the user's again
+    optimizer.step()
+
+
+# ------------------------------------------------------------------ forks never share noise
+
+
+def first_grads_after_resume(saved, seed):
+    model = mlp()
+    private = private_for(model, noise_multiplier=1.0, seed=seed)
+    private.load_state_dict(saved)
+    private.backward(next(private.batches(1)))
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_two_continuations_of_one_state_dict_release_different_noise():
+    model = mlp()
+    private = private_for(model, noise_multiplier=1.0)
+    for batch in private.batches(2):
+        private.backward(batch)
+    saved = private.state_dict()
+    a, b = first_grads_after_resume(saved, None), first_grads_after_resume(saved, None)
+    std = 1.0 * CLIP / EXPECTED  # of each release's noise
+    assert float((a - b).abs().max()) > std  # the difference holds two independent noises
+    report = str(private.privacy_report())
+    assert "continuations" in report
+
+
+def test_a_fixed_seed_resumes_bit_identically():
+    model = mlp()
+    private = private_for(model, noise_multiplier=1.0, seed=99)
+    private.backward(next(private.batches(1)))
+    saved = private.state_dict()
+    assert torch.equal(first_grads_after_resume(saved, 99), first_grads_after_resume(saved, 99))
+
+
+def test_two_trainers_resuming_one_checkpoint_draw_their_own_noise(tmp_path, tiny_problem):
+    loss_fn, params, dataset, _ = tiny_problem(60)
+
+    def trainer():
+        return dpfunc.Trainer(
+            loss_fn, params, dataset, optimizer=dpfunc.optim.sgd(lr=0.5), epochs=2,
+            expected_batch_size=10, clip_norm=1.0, noise_multiplier=1.0, delta=1e-5,
+            progress=False,
+        )  # fmt: skip
+
+    first = trainer()
+    first.fit(max_steps=4)
+    first.save(tmp_path / "run.pt")
+    forks = [trainer(), trainer()]
+    for fork in forks:
+        fork.load(tmp_path / "run.pt")
+        fork.fit(max_steps=1)
+    assert forks[0].seed == forks[1].seed == first.seed  # the run's partitions
+    assert forks[0].stream_seed != forks[1].stream_seed
+    assert any(not torch.equal(forks[0].params[k], forks[1].params[k]) for k in params)
+
+
+# ------------------------------------------------------------------ one live run per path
+
+
+def make_trainer(tiny_problem, **options):
+    loss_fn, params, dataset, _ = tiny_problem(60)
+    return dpfunc.Trainer(
+        loss_fn, params, dataset, optimizer=dpfunc.optim.sgd(lr=0.5), epochs=2,
+        expected_batch_size=10, clip_norm=1.0, noise_multiplier=1.0, delta=1e-5,
+        progress=False, **options,
+    )  # fmt: skip
+
+
+def test_a_second_run_on_a_live_path_is_refused_before_any_step(tmp_path, tiny_problem):
+    path = tmp_path / "run.pt"
+    a = make_trainer(tiny_problem, checkpoint_path=path)
+    with pytest.raises(ValueError, match="held by another live run"):
+        make_trainer(tiny_problem, checkpoint_path=path)
+    a.fit(max_steps=4)
+    b = make_trainer(tiny_problem)  # no path of its own: a manual save is refused too
+    with pytest.raises(ValueError, match="held by another live run"):
+        b.save(path)
+    del a
+    gc.collect()
+    with pytest.warns(UserWarning, match="resumed"):
+        c = make_trainer(tiny_problem, checkpoint_path=path)
+    assert c.steps_done == 4
+
+
+def test_a_killed_process_leaves_no_lock(tmp_path, tiny_problem):
+    path = tmp_path / "run.pt"
+    script = textwrap.dedent(
+        f"""
+        import os, torch, dpfunc
+        x, y = torch.randn(60, 4), torch.randint(0, 3, (60,))
+        params = {{"w": torch.zeros(4, 3)}}
+        loss = lambda p, e: torch.nn.functional.cross_entropy((e[0] @ p["w"])[None], e[1][None])
+        t = dpfunc.Trainer(loss, params, (x, y), optimizer=dpfunc.optim.sgd(lr=0.1), epochs=1,
+                           expected_batch_size=10, clip_norm=1.0, noise_multiplier=1.0,
+                           delta=1e-5, progress=False, checkpoint_path={str(path)!r})
+        t.save({str(path)!r})
+        os.kill(os.getpid(), 9)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
+    assert done.returncode == -9, done.stderr.decode()[-2000:]
+    assert path.exists()
+    loss_fn = lambda p, e: F.cross_entropy((e[0] @ p["w"])[None], e[1][None])  # noqa: E731
+    with pytest.warns(UserWarning, match="resumed"):
+        dpfunc.Trainer(
+            loss_fn, {"w": torch.zeros(4, 3)}, (torch.randn(60, 4), torch.randint(0, 3, (60,))),
+            optimizer=dpfunc.optim.sgd(lr=0.1), epochs=1, expected_batch_size=10, clip_norm=1.0,
+            noise_multiplier=1.0, delta=1e-5, progress=False, checkpoint_path=path,
+        )  # fmt: skip
+
+
+def test_the_record_of_accounted_steps_is_never_overwritten_by_another_run(tmp_path, tiny_problem):
+    path = tmp_path / "run.pt"
+    a = make_trainer(tiny_problem)
+    a.fit(max_steps=4)
+    a.save(path)
+    del a
+    gc.collect()
+    b = make_trainer(tiny_problem)  # another run, not resumed from the file
+    b.fit(max_steps=2)
+    with pytest.raises(ValueError, match=r"another run's checkpoint \(4 accounted steps\)"):
+        b.save(path)
+    fork1, fork2 = make_trainer(tiny_problem), make_trainer(tiny_problem)
+    fork1.load(path)
+    fork2.load(path)
+    fork1.fit(max_steps=1)
+    fork1.save(path)  # a continuation may replace what it continued
+    del fork1  # (its lock would refuse fork2 first)
+    gc.collect()
+    fork2.fit(max_steps=3)
+    with pytest.raises(ValueError, match="another run's checkpoint"):
+        fork2.save(path)  # but not its sibling's record, even with more steps
+    (tmp_path / "notes.txt").write_text("my data")
+    with pytest.raises(ValueError, match="not a readable dpfunc checkpoint"):
+        fork2.save(tmp_path / "notes.txt")
+    assert (tmp_path / "notes.txt").read_text() == "my data"
+
+
+def test_a_damaged_checkpoint_says_what_it_is(tmp_path, tiny_problem):
+    path = tmp_path / "run.pt"
+    path.write_bytes(b"PK\x03\x04 not really")
+    with pytest.raises(ValueError, match="damaged .* Resume from an intact copy") as caught:
+        make_trainer(tiny_problem).load(path)
+    assert "weights_only=False" not in str(caught.value).split("torch.load said")[0]
+
+
+# ------------------------------------------------------------------ a batch is what was drawn
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda b: b.micro_batches[0][1].fill_(1),  # padding rows counted
+        lambda b: b.micro_batches[0][0][0].mul_(10),  # examples edited in place
+        lambda b: b.micro_batches.__setitem__(0, b.micro_batches[-1]),  # a micro-batch replaced
+        lambda b: b.micro_batches.append(b.micro_batches[0]),  # one added
+    ],
+    ids=["mask", "examples", "replaced", "added"],
+)
+def test_a_changed_batch_is_refused(tamper):
+    model = mlp()
+    private = private_for(model, physical_batch_size=8)  # a few micro-batches
+    batch = next(private.batches(1))
+    assert len(batch.micro_batches) > 1
+    tamper(batch)
+    with pytest.raises(ValueError, match="changed after batches.. yielded it"):
+        private.backward(batch)
+    assert private.steps_done == 0
+
+
+def test_a_change_torch_cannot_see_still_releases_the_sampled_batch():
+    """Through .data the version counter stays: backward reads its own copy, not the yielded one."""
+    released = []
+    for tamper in (False, True):
+        model = mlp()
+        private = private_for(model, physical_batch_size=30, seed=5)
+        batch = next(private.batches(1))
+        if tamper:
+            batch.micro_batches[0][1].data.fill_(1)
+            batch.micro_batches[0][0][0].data.mul_(10)
+        private.backward(batch)
+        released.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.equal(*released)
+
+
+def test_a_batch_of_ones_own_is_refused():
+    private = private_for(mlp())
+    batch = next(private.batches(1))
+    forged = dpfunc.LogicalBatch(batch.step, list(batch.micro_batches), batch.size)
+    with pytest.raises(ValueError, match="not the one batches.. yielded"):
+        private.backward(forged)
+
+
+def test_steps_per_epoch_rounds_and_says_so():
+    """1437 examples at 128 a batch: round(1437 / 128) = 11 steps an epoch, not len(loader) = 12."""
+    x, y = torch.randn(1437, 5), torch.randint(0, 3, (1437,))
+    model = mlp()
+    private = dpfunc.PrivateGradients(
+        model, loss_for(model), (x, y), expected_batch_size=128, clip_norm=1.0,
+        noise_multiplier=1.0, delta=1e-5, epochs=10,
+    )  # fmt: skip
+    assert private.steps_per_epoch == 11 and private.total_steps == 110
+
+
+if os.name != "posix":  # the lock is flock's
+    pytestmark = pytest.mark.skip("POSIX only")
