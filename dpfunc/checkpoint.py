@@ -4,9 +4,11 @@ A checkpoint holds the train state part by part (the parameters, the
 optimizer state, the step count, which fixes the sampler and noise streams,
 and the states of the clip and noise mechanisms: the clip norm and the
 banded noise history), the accountant's history, the run's privacy
-settings, the history and the secret seed, so that a resumed run ends
-bit-identical to an uninterrupted one. The sampler's state is the secret;
-the partitions are derived again from it on loading. **A checkpoint is as
+settings, the history, the secret seed and the run's lineage. A resumed
+run continues the accounting and the state; with a secret seed it draws
+its samples and noise afresh (the fork rule, :mod:`dpfunc.plan`), with a
+fixed one it ends bit-identical to an uninterrupted run. The sampler's
+state is the secret; the partitions are derived again from it on loading. **A checkpoint is as
 sensitive as the training data**: with the seed, anyone can remove the noise
 from every update it saw. Store it where the data is stored, never next to
 the released model.

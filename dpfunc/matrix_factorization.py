@@ -45,7 +45,7 @@ so a step needs its own standard-normal tree ``z_t`` and the last ``b - 1``
 correlated trees, which live in the train state (``TrainState.noise_state``,
 the state of :func:`banded_noise`) as one stacked tensor per parameter
 (``[b - 1, *shape]``, newest first): a compiled step stays one graph, and a
-checkpoint resumes bit-identically.
+checkpoint resumes with its history.
 """
 
 from __future__ import annotations

@@ -391,9 +391,12 @@ class PrivateGradients(PlannedRun):
         """Restores :meth:`state_dict` of an identically set-up run; the next step continues it.
 
         Load the model's and the optimizer's state dicts too: the three
-        together resume bit-identically. A ``PrivateGradients`` built with
-        ``seed=None`` adopts the saved run's drawn secret; a fixed seed must
-        match (as :func:`dpfunc.checkpoint.load`).
+        together resume the run. A ``PrivateGradients`` built with
+        ``seed=None`` adopts the saved run's drawn secret and, as a new
+        continuation, draws its samples and noise from here on from a fresh
+        one (the fork rule: two continuations of one state dict never share
+        noise); a fixed seed must match, and resumes bit for bit (as
+        :func:`dpfunc.checkpoint.load`).
 
         Raises:
             ValueError: of another run's settings (each difference named),

@@ -6,9 +6,10 @@ micro-batches, the collectives when distributed, the noise added once) and
 records it with the accountant before its release, empty batches included.
 The privacy settings are a :class:`dpfunc.DPConfig`; progress, evaluation
 and checkpoints are callbacks (:mod:`dpfunc.callbacks`,
-:mod:`dpfunc.checkpoint`); a resumed run ends bit-identical to an
-uninterrupted one (the sample and noise of step t depend only on the seed
-and t).
+:mod:`dpfunc.checkpoint`); a resumed run continues the accounting, with
+fresh samples and noise when its seed is secret (the fork rule) and bit for
+bit when it is fixed (the sample and noise of step t then depend only on the
+seed and t).
 
 The seed is a secret. By default (``seed=None``) each Trainer draws a fresh
 256-bit one from the operating system's CSPRNG (:func:`dpfunc.secret_seed`);
