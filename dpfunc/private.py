@@ -205,6 +205,7 @@ class PrivateGradients(PlannedRun):
         self._yielded: LogicalBatch | None = None  # the copy of it batches() yielded
         self._yielded_versions: list[tuple[int, int]] = []  # its tensors (id, version) then
         self._written: dict[str, Tensor] = {}  # the private gradient each p.grad must be
+        self._applied = True  # an optimizer stepped the last private gradient (or none yet)
         self._in_backward = False
         _guard(self)
 
@@ -284,6 +285,7 @@ class PrivateGradients(PlannedRun):
         self.plan.check_next_step(t)
         params = self._live_params()
         self._clear_frozen()
+        self._warn_unapplied(t)
         state = self._state_for(params)
         noise = self._draw_noise(params, t)
         metrics: dict[str, float] = {}
@@ -298,6 +300,7 @@ class PrivateGradients(PlannedRun):
         for name, p in self._trainable:
             p.grad = _like(p, private[name].to(p.dtype))
             self._written[name] = p.grad
+        self._applied = False
         self.state = state._replace(params=params)
         self._issued = self._yielded = None
         return metrics
@@ -305,17 +308,20 @@ class PrivateGradients(PlannedRun):
     def _check_yielded(self, batch: LogicalBatch, t: int) -> None:
         """Refuses a batch that is not the copy :meth:`batches` yielded for step ``t``, as yielded."""
         yielded = self._yielded
-        if yielded is None or batch is not yielded and (
-            batch.micro_batches is not yielded.micro_batches or batch.size != yielded.size
+        if (
+            yielded is None
+            or batch is not yielded
+            and (batch.micro_batches is not yielded.micro_batches or batch.size != yielded.size)
         ):
             raise ValueError(
                 f"batch is not the one batches() yielded for step {t}: only the Poisson sample "
                 "of the step, keyed by the secret seed, is accounted as such"
             )
         leaves = _tensors(batch.micro_batches)
-        if len(batch.micro_batches) != len(self._issued) or [
-            (id(t), t._version) for t in leaves
-        ] != self._yielded_versions:
+        if (
+            len(batch.micro_batches) != len(self._issued)
+            or [(id(t), t._version) for t in leaves] != self._yielded_versions
+        ):
             raise ValueError(
                 f"the batch of step {t} was changed after batches() yielded it (a mask or an "
                 "example edited in place, or a micro-batch replaced): backward releases the "
@@ -323,6 +329,26 @@ class PrivateGradients(PlannedRun):
                 "the batch as yielded; transform examples (augmentation, moving to a device) "
                 "inside loss_fn"
             )
+
+    def _warn_unapplied(self, t: int) -> None:
+        """Warns when the last private gradient is about to be overwritten without having been used.
+
+        Accumulating several logical batches into one optimizer step (a
+        habit from virtual steps) does not work here: each ``backward``
+        overwrites ``p.grad``, and each logical batch already has the
+        expected batch size. Privacy is not at stake (both were accounted);
+        the dropped gradient is.
+        """
+        if self._applied or not any(self._pending(name, p) for name, p in self._trainable):
+            return
+        warnings.warn(
+            f"the private gradient of step {t - 1} was never applied by an optimizer step: "
+            f"backward(batch) of step {t} overwrites it (gradients are not accumulated across "
+            "logical batches; each logical batch already has expected_batch_size examples, and "
+            "physical_batch_size sets the micro-batches). Call optimizer.step() after each "
+            "backward",
+            stacklevel=3,
+        )
 
     def _clear_frozen(self) -> None:
         """Clears the ``.grad`` of the model's frozen parameters (a stale one would be stepped)."""
@@ -525,8 +551,12 @@ def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
         for p in group["params"]:
             run, name = _GUARDED.get(p, (None, None))
             private = run() if run is not None else None
-            if private is not None and (why := private._foreign_grad(p, name)) is not None:
+            if private is None:
+                continue
+            if (why := private._foreign_grad(p, name)) is not None:
                 raise RuntimeError(f"{type(optimizer).__name__}.step() refused: {why}")
+            if name is not None and p.grad is not None:
+                private._applied = True
 
 
 def _copy_rank0_model(model: nn.Module) -> None:

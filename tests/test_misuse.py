@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -55,7 +56,9 @@ def private_for(model, noise_multiplier=0.0, **overrides):
 
 
 def grad_norm(model):
-    return float(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm())
+    return float(
+        torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm()
+    )
 
 
 # ------------------------------------------------------------------ p.grad belongs to the step
@@ -141,6 +144,7 @@ def first_grads_after_resume(saved, seed):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
+@pytest.mark.filterwarnings("ignore:the private gradient of step")
 def test_two_continuations_of_one_state_dict_release_different_noise():
     model = mlp()
     private = private_for(model, noise_multiplier=1.0)
@@ -334,3 +338,18 @@ def test_steps_per_epoch_rounds_and_says_so():
 
 if os.name != "posix":  # the lock is flock's
     pytestmark = pytest.mark.skip("POSIX only")
+
+
+def test_a_private_gradient_never_stepped_is_not_dropped_silently():
+    """Opacus' virtual steps habit: several backward calls, one optimizer step."""
+    model = mlp()
+    private = private_for(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = private.batches(3)
+    private.backward(next(batches))
+    with pytest.warns(UserWarning, match="never applied by an optimizer step"):
+        private.backward(next(batches))
+    optimizer.step()  # no zero_grad: the next backward overwrites a gradient already applied
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        private.backward(next(batches))

@@ -272,6 +272,7 @@ def test_a_peft_wrap_after_building_is_refused():
 
 def test_state_dict_resumes_bit_identically_with_the_optimizer():
     """With a fixed seed; a secret one continues with fresh draws (tests/test_misuse.py)."""
+
     def run(model, private, optimizer, steps):
         train(private, optimizer, steps)
         return private
