@@ -306,7 +306,7 @@ class PrivateGradients(PlannedRun):
         return metrics
 
     def _check_yielded(self, batch: LogicalBatch, t: int) -> None:
-        """Refuses a batch that is not the copy :meth:`batches` yielded for step ``t``, as yielded."""
+        """Refuses a batch other than the copy :meth:`batches` yielded for step ``t``, unchanged."""
         yielded = self._yielded
         if (
             yielded is None
@@ -355,7 +355,7 @@ class PrivateGradients(PlannedRun):
         stale = [name for name, p in self.model.named_parameters()
                  if not p.requires_grad and p.grad is not None]  # fmt: skip
         if stale:
-            for name, p in self.model.named_parameters():
+            for p in self.model.parameters():
                 if not p.requires_grad:
                     p.grad = None
             warnings.warn(

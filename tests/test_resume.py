@@ -11,7 +11,6 @@ the boundary, which the amplification theorem behind the printed epsilon needs.
 """
 
 import gc
-import warnings
 
 import optree
 import pytest
