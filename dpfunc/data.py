@@ -308,11 +308,12 @@ def num_micro_batches(batch_size: int, physical_batch_size: int) -> int:
 # --------------------------------------------------------------------------- datasets
 
 ACCEPTED_DATASETS = (
-    "a Tensor or numpy array of rows; a tuple or list of tensors or numpy arrays, read as "
-    "columns with a common leading size, e.g. (x, y); a map-style dataset (__len__ and "
-    "__getitem__(int) returning tensors, numbers, numpy arrays or tuples/lists/dicts of them), "
-    "e.g. a TensorDataset; a DataLoader over one of these; or a Hugging Face datasets.Dataset "
-    "with numeric or image columns"
+    "a Tensor or numpy array of rows; a tuple of tensors or numpy arrays, read as columns "
+    "with a common leading size, e.g. (x, y), or a list of them whose shapes differ, e.g. "
+    "[x, y]; a map-style dataset (__len__ and __getitem__(int) returning tensors, numbers, "
+    "numpy arrays or tuples/lists/dicts of them), e.g. a TensorDataset or a list of (x, y) "
+    "examples; a DataLoader over one of these; or a Hugging Face datasets.Dataset with "
+    "numeric or image columns"
 )
 
 
@@ -338,13 +339,33 @@ def as_dataset(dataset: Any) -> Any:
       indices)`` and do per-example work in ``__getitem__`` instead.
     - a ``Tensor`` of rows along dim 0, returned as is;
     - a numpy array of rows: ``torch.from_numpy`` (no copy, dtype kept);
-    - a tuple or list of tensors or numpy arrays (mixed allowed): COLUMNS
-      with a common leading size, e.g. ``(x, y)``; returned as a tuple of
-      tensors, so batches of a list dataset are tuples too. A list of one
-      tensor per example is read as columns as well: stack it
-      (``torch.stack``) into a Tensor first. A tuple whose elements are
-      not all tensors or arrays is refused (``(x, labels_list)`` would
-      otherwise be a dataset of 2 examples);
+    - a tuple or list of tensors or numpy arrays (mixed allowed): read as
+      COLUMNS with a common leading size (``(x, y)``, ``[x, y]``) or as
+      EXAMPLES (one tensor each), never by a guess. Both readings fit
+      exactly when the entries all have one shape, since examples that
+      share a micro-batch need one shape, and columns only a common leading
+      size. So:
+
+      * a tuple is columns, always (the ``(x, y)`` form, and what
+        ``TensorDataset.tensors`` holds): ``(ids, mask, labels)`` of one
+        shape is 3 columns;
+      * a list whose entries' shapes differ is columns, e.g. ``[x, y]``
+        with ``x`` of shape ``(N, d)`` and ``y`` of ``(N,)``, as the
+        examples reading cannot batch them;
+      * a list whose entries all have one shape ``(n, ...)`` is refused as
+        ambiguous (``k`` examples of that shape, or ``n`` examples of ``k``
+        columns), naming both readings and how to say which:
+        ``torch.stack(dataset)`` for ``k`` examples, ``tuple(dataset)``
+        for ``n`` examples of ``k`` columns. (A list of 0-d tensors can
+        only be examples: it is stacked.)
+
+      Columns come back as a tuple of tensors, so batches of a list
+      dataset are tuples too. A tuple whose elements are not all tensors
+      or arrays is refused (``(x, labels_list)`` would otherwise be a
+      dataset of 2 examples), and so is a tuple of tuples or lists, which
+      reads as examples (``((x0, y0), (x1, y1))``) or as columns of
+      per-example values (``(xs, ys)`` from ``zip(*pairs)``): pass
+      ``list(dataset)`` for examples, or stack each column;
     - a ``TensorDataset``: the tuple of its tensors;
     - a Hugging Face ``datasets.Dataset`` (when ``datasets`` is installed):
       rows come from its ``"torch"`` format, so every example is a dict of
@@ -359,8 +380,9 @@ def as_dataset(dataset: Any) -> Any:
       batches (pad tokenised text to a fixed length);
     - any other map-style dataset (``__len__`` and ``__getitem__(int)``,
       e.g. a ``torch.utils.data.Dataset`` with per-example transforms,
-      ``Subset``, or a list of examples): returned as is; rows are its
-      items, read one by one.
+      ``Subset``, or a list of examples such as ``(x, y)`` tuples or
+      dicts, i.e. a list holding no tensor or array itself): returned as
+      is; rows are its items, read one by one.
 
     Iterable datasets (``torch.utils.data.IterableDataset``, Hugging Face
     ``IterableDataset``, generators, iterators) are refused: Poisson
@@ -378,13 +400,21 @@ def as_dataset(dataset: Any) -> Any:
             non-numeric Hugging Face columns (named). Every message names
             the accepted forms.
         ValueError: a 0-d tensor or array, columns whose leading sizes
-            differ (the sizes are named), or an empty tuple. (An empty
-            list is an empty dataset, which the callers refuse.)
+            differ (the sizes are named), an empty tuple, a list of
+            tensors of one shape or a tuple of tuples (ambiguous: both
+            readings and how to say which are named). (An empty list is
+            an empty dataset, which the callers refuse.)
 
     >>> import numpy as np
     >>> x, y = as_dataset([np.zeros((3, 2)), torch.tensor([1, 0, 1])])
     >>> x.dtype, y.tolist(), dataset_size((x, y))
     (torch.float64, [1, 0, 1], 3)
+    >>> dataset_size([torch.zeros(3, 4, 4) for _ in range(50)])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: dataset is a list of 50 tensors that all have shape (3, 4, 4), which reads ...
+    >>> dataset_size(torch.stack([torch.zeros(3, 4, 4) for _ in range(50)]))
+    50
     """
     if isinstance(dataset, DataLoader):
         return _loader_dataset(dataset)
@@ -394,10 +424,10 @@ def as_dataset(dataset: Any) -> Any:
         return dataset
     if _is_ndarray(dataset):
         return as_dataset(_from_numpy(dataset, "dataset"))
-    if isinstance(dataset, (tuple, list)) and (
-        isinstance(dataset, tuple) or any(_is_column(c) for c in dataset)
+    if isinstance(dataset, tuple) or (
+        isinstance(dataset, list) and any(_is_column(c) for c in dataset)
     ):
-        return _columns(dataset)
+        return _sequence(dataset)
     if isinstance(dataset, TensorDataset):
         return tuple(dataset.tensors)
     if isinstance(dataset, _HuggingFaceRows):
@@ -803,26 +833,63 @@ def _from_numpy(array: Any, what: str) -> Tensor:
         return torch.from_numpy(array)
 
 
-def _columns(columns: Sequence[Any]) -> tuple[Tensor, ...]:
+def _sequence(columns: Sequence[Any]) -> Tensor | tuple[Tensor, ...]:
+    """A tuple, or a list holding a tensor or array, read as columns or examples (never guessed).
+
+    See :func:`as_dataset`: a tuple is columns; a list is columns where its
+    entries' shapes differ, examples where they are 0-d, and ambiguous (refused)
+    where they all share one shape of at least one dimension.
+    """
     kind = type(columns).__name__
     if not columns:
         raise _refusal(ValueError, f"dataset is an empty {kind}, which holds no columns")
+    if isinstance(columns, tuple) and all(isinstance(c, (tuple, list)) for c in columns):
+        inner = type(columns[0]).__name__
+        raise _refusal(
+            ValueError,
+            f"dataset is a tuple of {len(columns)} {inner}s, which reads two ways: as "
+            f"{len(columns)} examples, one per {inner} (e.g. ((x0, y0), (x1, y1))), or as "
+            f"{len(columns)} columns of per-example values (e.g. (xs, ys) from zip(*pairs)); "
+            "dpfunc does not guess. Say which: list(dataset) for examples, or one tensor per "
+            "column, e.g. (torch.stack(xs), torch.as_tensor(ys))",
+        )
     for k, column in enumerate(columns):
         if not _is_column(column):
             raise _refusal(
                 TypeError,
                 f"dataset is a {kind}, read as columns, but its element {k} is a "
                 f"{type(column).__name__}, not a tensor or numpy array; convert it with "
-                "torch.as_tensor",
+                "torch.as_tensor (torch.stack for a list of tensors)",
             )
     tensors = tuple(
         _from_numpy(c, f"column {k} of the dataset") if _is_ndarray(c) else c
         for k, c in enumerate(columns)
     )
+    shapes = {tuple(t.shape) for t in tensors}
+    if isinstance(columns, list) and len(shapes) == 1:
+        (shape,) = shapes
+        if not shape:  # 0-d entries: no columns, so one example each
+            return torch.stack(tensors)
+        raise _refusal(
+            ValueError,
+            f"dataset is a list of {len(tensors)} tensors that all have shape {shape}, which "
+            f"reads two ways: as {len(tensors)} examples of shape {shape}, one per tensor, or "
+            f"as {shape[0]} examples of {len(tensors)} columns (like [x, y], one column per "
+            "entry); dpfunc does not guess. Say which: torch.stack(dataset) for "
+            f"{len(tensors)} examples (with labels: (torch.stack(dataset), labels)), or "
+            f"tuple(dataset) for {shape[0]} examples of {len(tensors)} columns",
+        )
+    return _columns(tensors, kind)
+
+
+def _columns(tensors: tuple[Tensor, ...], kind: str) -> tuple[Tensor, ...]:
+    """``tensors`` as the columns of a dataset, after checking they have rows, as many each."""
     for k, t in enumerate(tensors):
         if t.dim() == 0:
             raise _refusal(
-                ValueError, f"column {k} of the {kind} dataset is 0-d; every column needs rows"
+                ValueError,
+                f"column {k} of the {kind} dataset is 0-d; every column needs rows (for one "
+                "example per tensor, pass torch.stack(dataset))",
             )
     sizes = [t.shape[0] for t in tensors]
     if len(set(sizes)) != 1:
@@ -830,7 +897,7 @@ def _columns(columns: Sequence[Any]) -> tuple[Tensor, ...]:
             ValueError,
             f"the columns of a {kind} dataset must share their leading size (one row per "
             f"example), got sizes {sizes}; one tensor per example must be stacked first "
-            "(torch.stack)",
+            "(torch.stack), after padding them to one shape",
         )
     return tensors
 

@@ -13,7 +13,10 @@ cannot read one example's values: no ``.item()``, no ``if loss > 0:``, no
 ``logits[y]`` with a 0-d label, no ``x[:length]``, no packed sequences.
 :func:`explain_loss_errors` turns vmap's one generic message for all of
 these into one that names the likely cause, the line, and the rewrite
-(``docs/writing-a-loss.md`` shows each). :func:`vmap_over_examples` also
+(``docs/writing-a-loss.md`` shows each), and :func:`explain_example_error`
+turns torch's errors for data that does not fit the model (a dtype, float
+labels, a label out of range) into one that names the fix, once a step has
+failed. :func:`vmap_over_examples` also
 tells Hugging Face transformers that it is being traced: transformers checks
 ``padding_mask.all()`` to skip building an attention mask unless its
 ``is_tracing()`` says dynamo, jit or fx is tracing, and it knows nothing of
@@ -28,9 +31,10 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
+import optree
 import torch
 from torch import Tensor
 from torch.func import grad_and_value, vmap
@@ -206,6 +210,7 @@ def explain_loss_errors() -> Iterator[None]:
         raise explained from error
 
 
+_EXPLAINED = "per-example gradients failed:"  # how explain_loss_errors' messages begin
 _VMAP_READS_VALUES = (
     "data-dependent control flow",  # .item(), bool(), int(), a 0-d tensor index, a Python branch
     "doesn't have storage",  # .tolist(), .numpy(): a batched tensor has no one value to read
@@ -297,7 +302,7 @@ def _explanation(error: RuntimeError) -> str | None:
         what, fix = _CAUSES[cause]
         body = f"the loss {what}{where}.\nFix: {fix}."
     return (
-        f"per-example gradients failed: {body}\nWhy: dpfunc runs loss_fn on all examples at "
+        f"{_EXPLAINED} {body}\nWhy: dpfunc runs loss_fn on all examples at "
         "once with torch.func.vmap, where Python code cannot read one example's values "
         "(Hugging Face transformers' own mask checks are handled by dpfunc); "
         f"docs/writing-a-loss.md shows each rewrite.\ntorch's message: {text}"
@@ -376,6 +381,151 @@ def _is_condition(node: ast.expr, parents: dict) -> bool:
     return isinstance(parent, ast.comprehension) and node in parent.ifs
 
 
+# --------------------------------------------------------------------------- data misfits
+
+_DIAGNOSED = "_dpfunc_diagnosed"  # set on an error this module has looked at once
+_CONVERT = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "half",
+    torch.bfloat16: "bfloat16",
+}
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _conversion(dtype: torch.dtype) -> str:
+    """The method call that converts a tensor or a module to ``dtype``: ``.double()``."""
+    method = _CONVERT.get(dtype)
+    return f".{method}()" if method else f".to({dtype})"
+
+
+def explain_example_error(
+    loss_fn: LossFn, params: Params, batch: PyTree, mask: Tensor | None, error: BaseException
+) -> BaseException:
+    """The error to raise for ``error``, raised by a per-example pass over ``batch``: explained.
+
+    Called only once the pass has failed, so it costs a step nothing. It runs
+    ``loss_fn(params, example)`` on the batch's real examples one by one,
+    eagerly and without vmap, up to the first that fails (dpfunc's own
+    machinery is then not involved), and tries on that example the one
+    conversion that would fix a data/model misfit, so a fix it names is one
+    it has seen work:
+
+    - floating data of another dtype than the parameters' (``model.double()``
+      with float32 data, float16/bfloat16 data into a float32 model): a
+      ``TypeError`` naming both dtypes and both fixes, converting the data
+      (``x.double()``) or the model (``model.float()``);
+    - integer data where the model needs floating point: a ``TypeError``
+      naming the leaf and the conversion (``x.float()``);
+    - floating labels where the loss needs class indices: a ``TypeError``
+      naming the leaf and ``y.long()``;
+    - an index out of range (a class label outside ``[0, classes)``, a token
+      id past an embedding): a ``ValueError`` saying so and how to check.
+
+    The new error is chained (``from``) to ``error``. Any other failure, or
+    one that no example reproduces (the failure is the pass's own), comes
+    back as ``error`` itself, marked so that an outer caller does not look
+    again. RNG state is restored after the runs (dropout draws stay as
+    they were).
+    """
+    if (
+        getattr(error, _DIAGNOSED, False)
+        or not isinstance(error, Exception)
+        or str(error).startswith(_EXPLAINED)  # explain_loss_errors' own: the loss, not the data
+    ):
+        return error
+    try:
+        explained = _diagnose(loss_fn, params, batch, mask, error)
+    except Exception:  # the diagnosis must never hide the error itself
+        explained = None
+    found = error if explained is None else explained
+    with suppress(AttributeError):  # an exception type that refuses attributes
+        setattr(found, _DIAGNOSED, True)
+    if explained is not None:
+        explained.__cause__, explained.__suppress_context__ = error, True
+    return found
+
+
+def _diagnose(loss_fn, params, batch, mask, error) -> Exception | None:
+    paths, leaves, spec = optree.tree_flatten_with_path(batch)
+    sizes = [x.shape[0] for x in leaves if isinstance(x, Tensor) and x.dim()]
+    if not sizes:
+        return None
+    rows = range(sizes[0]) if mask is None else mask.to(torch.bool).nonzero().flatten().tolist()
+    params = {name: p.detach() for name, p in params.items()}
+    devices = sorted({p.device.index for p in params.values() if p.device.type == "cuda"})
+
+    def run(example_leaves) -> Exception | None:
+        example = optree.tree_unflatten(spec, example_leaves)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                loss_fn(params, example)
+        except Exception as failure:
+            return failure
+        return None
+
+    failed = None
+    for i in rows:
+        example = [x[i] if isinstance(x, Tensor) and x.dim() else x for x in leaves]
+        failure = run(example)
+        if failure is not None:
+            failed = example, failure
+            break
+    if failed is None:  # every example runs alone: the failure is not the data's
+        return None
+    example, failure = failed
+    said = f"loss_fn(params, example) raised {type(failure).__name__}: {str(failure).rstrip('.')}"
+    where = ["".join(f"[{key!r}]" for key in path) or "<root>" for path in paths]
+    tensors = [k for k, x in enumerate(example) if isinstance(x, Tensor)]
+    floating = {p.dtype for p in params.values() if p.dtype.is_floating_point}
+    model = next(iter(floating)) if len(floating) == 1 else None
+
+    def converted(ks, dtype):
+        return [x.to(dtype) if k in ks else x for k, x in enumerate(example)]
+
+    if model is not None:
+        other = [k for k in tensors if example[k].is_floating_point() and example[k].dtype != model]
+        if other and run(converted(other, model)) is None:
+            data = sorted({_name(example[k].dtype) for k in other})
+            return TypeError(
+                f"the data is {', '.join(data)} but the model's parameters are {_name(model)}: "
+                f"convert the data (x{_conversion(model)} for batch leaf "
+                f"{', '.join(where[k] for k in other)}, e.g. when building the dataset) or the "
+                f"model (model{_conversion(example[other[0]].dtype)}, before building the run). "
+                f"{said}"
+            )
+        for k in tensors:
+            x = example[k]
+            if not (x.is_floating_point() or x.is_complex()) and run(converted([k], model)) is None:
+                return TypeError(
+                    f"batch leaf {where[k]} is {_name(x.dtype)}, but the model computes with it "
+                    f"in {_name(model)}: convert it to floating point (x{_conversion(model)} "
+                    "when building the dataset; integer data is for class labels and token "
+                    f"ids). {said}"
+                )
+    for k in tensors:
+        x = example[k]
+        if x.is_floating_point() and run(converted([k], torch.int64)) is None:
+            return TypeError(
+                f"batch leaf {where[k]} holds {_name(x.dtype)} values where "
+                "loss_fn needs integers (class labels: F.cross_entropy and F.nll_loss take int64 "
+                f"class indices): convert them (y.long() when building the dataset). {said}"
+            )
+    text = str(failure)
+    if isinstance(failure, IndexError) or "out of bounds" in text or "out of range" in text:
+        return ValueError(
+            f"an index in the data is out of range: {said}. Most often a class label lies "
+            "outside [0, number of classes) (F.cross_entropy, F.nll_loss) or a token id at or "
+            "past an nn.Embedding's num_embeddings: check the data's range against the model "
+            "(labels: 0 <= y.min() and y.max() < the model's number of outputs), or give the "
+            "model as many outputs (embeddings) as the data has classes (ids)"
+        )
+    return None
+
+
 def _trace_safe() -> bool:
     return True
 
@@ -406,4 +556,5 @@ __all__ = [
     "batch_size",
     "vmap_over_examples",
     "explain_loss_errors",
+    "explain_example_error",
 ]

@@ -184,6 +184,7 @@ class PrivateGradients(PlannedRun):
         if shard:
             shard_module(model)
         self._trainable = _trainable(model)  # what backward may write to, checked each time
+        self._shapes = {name: p.shape for name, p in self._trainable}
         if compile:
             self.step_fn.compile()
         self.nonfinite = nonfinite
@@ -239,7 +240,8 @@ class PrivateGradients(PlannedRun):
                 )
             micro_batches, size = self.plan.batches.logical_batch(t)
             self._issued = micro_batches  # backward computes from this batch, and no other
-            copy = LogicalBatch(t, optree.tree_map(_clone, micro_batches), size)
+            with torch.inference_mode(False):  # a copy with version counters, in any mode
+                copy = LogicalBatch(t, optree.tree_map(_clone, micro_batches), size)
             self._yielded = copy
             self._yielded_versions = [(id(t), t._version) for t in _tensors(copy.micro_batches)]
             yield copy
@@ -461,6 +463,13 @@ class PrivateGradients(PlannedRun):
                     "PrivateGradients was built (a module replaced, or a conversion that swaps "
                     "parameters); an optimizer built on the old one would never see its "
                     "gradient. Build PrivateGradients and the optimizer again"
+                )
+            if p.shape != self._shapes[name]:
+                raise ValueError(
+                    f"the model's parameter {name!r} changed shape from "
+                    f"{tuple(self._shapes[name])} to {tuple(p.shape)} since PrivateGradients was "
+                    "built (resized in place): the optimizer's state and the noise history no "
+                    "longer fit it. Build PrivateGradients and the optimizer again"
                 )
         return {name: _local(p).detach() for name, p in now}
 

@@ -47,6 +47,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
@@ -68,7 +69,7 @@ from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPIN
 from .ghost import GhostClipper, ghost_clip
 from .memory import check_memory_budget
 from .noise import NoiseState, add_noise, average, standard_normal_like
-from .per_sample import LossFn, batch_size, per_sample_grads_and_losses
+from .per_sample import LossFn, batch_size, explain_example_error, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_leaves, tree_map
 
 SUM_DTYPE = torch.float64  # the running clipped sum of a logical batch
@@ -434,6 +435,11 @@ class TrainStep:
         the rounding margin for this micro-batch's rows, the gradients'
         dtype and size (public: shapes and dtypes). Every row is
         differentiated, padding too (:meth:`accumulate` leaves padding out).
+
+        Eagerly, a failure of the per-example pass is raised with its fix where
+        it is a misfit of the data and the model (a dtype, float labels, an
+        index out of range; :func:`dpfunc.per_sample.explain_example_error`),
+        chained to torch's error; it costs nothing until the pass fails.
         """
         return self._clip(params, batch, mask, clip_norm, skip_padding=False)
 
@@ -457,9 +463,14 @@ class TrainStep:
         mask = mask.to(torch.bool)
         check_allow_rnn(self._recurrent)  # a user's torch.compile without allow_rnn
         check_devices(params, batch)  # before the mask is read on the batch's device
-        if skip_padding and size and not torch.compiler.is_compiling() and not bool(mask.all()):
-            return self._clip_real_rows(params, batch, mask, clip)
-        return self._clip_rows(params, batch, mask, clip, size)
+        if torch.compiler.is_compiling():
+            return self._clip_rows(params, batch, mask, clip, size)
+        try:
+            if skip_padding and size and not bool(mask.all()):
+                return self._clip_real_rows(params, batch, mask, clip)
+            return self._clip_rows(params, batch, mask, clip, size)
+        except Exception as error:  # a misfit of data and model: the error says the fix
+            raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
 
     def _clip_real_rows(
         self, params: Params, batch: PyTree, mask: Tensor, clip: float | Tensor
@@ -838,11 +849,20 @@ class TrainStep:
         Returns:
             The new state and the whole logical batch's per-example stats
             (:func:`summarize` them; NOT private).
+
+        Raises:
+            TypeError, ValueError: the data does not fit the model (as
+                :meth:`clip`, compiled steps too), before ``before_release``:
+                nothing is accounted or released.
+
+        Under a caller's ``torch.inference_mode()`` the step runs with it off
+        (it needs autograd), so its outputs are ordinary tensors.
         """
         self._check_drawn(noise.params, state.step)  # before any collective: all raise alike
-        summed, stats, count = self._logical_sum(state, micro_batches, before_release)
-        counts = (count, noise.count) if self.adaptive else ()
-        return self.apply(state, summed, noise.params, *counts), stats  # reduced over the ranks
+        with _outside_inference_mode():
+            summed, stats, count = self._logical_sum(state, micro_batches, before_release)
+            counts = (count, noise.count) if self.adaptive else ()
+            return self.apply(state, summed, noise.params, *counts), stats  # over the ranks
 
     def logical_gradient(
         self,
@@ -862,12 +882,13 @@ class TrainStep:
         :class:`dpfunc.PrivateGradients` writes ``private`` into ``p.grad``.
         """
         self._check_drawn(noise.params, state.step)
-        summed, stats, count = self._logical_sum(state, micro_batches, before_release)
-        reduced = self.all_reduce(summed, step=state.step)
-        counts = (count, noise.count) if self.adaptive else ()
-        private, clip_state, noise_state = self._run_checked(
-            self._private_gradient, state, reduced, noise.params, *counts
-        )
+        with _outside_inference_mode():
+            summed, stats, count = self._logical_sum(state, micro_batches, before_release)
+            reduced = self.all_reduce(summed, step=state.step)
+            counts = (count, noise.count) if self.adaptive else ()
+            private, clip_state, noise_state = self._run_checked(
+                self._private_gradient, state, reduced, noise.params, *counts
+            )
         state = state._replace(step=state.step + 1, clip_state=clip_state, noise_state=noise_state)
         return private, state, stats
 
@@ -885,7 +906,10 @@ class TrainStep:
         params = self.full_params(state)  # sharded: gathered once for all micro-batches
         summed, stats = self.zeros(params), []
         for batch, mask in micro_batches:
-            summed, part = self._accumulate(summed, params, batch, mask, *adaptive)
+            try:
+                summed, part = self._accumulate(summed, params, batch, mask, *adaptive)
+            except Exception as error:  # compiled: explained here (eagerly: in _clip)
+                raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
             stats.append(part)
         stats = ExampleStats.cat(stats) if stats else _no_stats(state.params)
         stats = self.gather_stats(stats, step=state.step)  # this rank's share -> the whole
@@ -941,9 +965,19 @@ class NoiseAhead:
     def __init__(self, step: TrainStep):
         self.step = step
         self._ahead: tuple[tuple[int, int], Future] | None = None
+        self._shapes: dict[str, torch.Size] | None = None  # the parameters' at the last draw
 
     def draw(self, params: Params, seed: int, t: int, *, ahead: bool) -> StepNoise:
-        """Step ``t``'s draws; with ``ahead``, starts step ``t + 1``'s."""
+        """Step ``t``'s draws; with ``ahead``, starts step ``t + 1``'s.
+
+        Raises:
+            ValueError: a parameter's shape changed since the last draw (a layer
+                resized in place); the message names it, both shapes and the fix.
+        """
+        shapes = {name: p.shape for name, p in params.items()}
+        if self._shapes is not None and shapes != self._shapes:
+            _refuse_resized(self._shapes, shapes)
+        self._shapes = shapes
         waiting, self._ahead = self._ahead, None
         if waiting is not None and waiting[0] == (seed, t):
             noise = waiting[1].result()
@@ -953,6 +987,39 @@ class NoiseAhead:
             future = self._worker.submit(self.step.draw_noise, params, seed=seed, step=t + 1)
             self._ahead = ((seed, t + 1), future)
         return noise
+
+
+def _outside_inference_mode() -> AbstractContextManager:
+    """``torch.inference_mode(False)`` where a caller's inference mode is on (eagerly).
+
+    A logical step needs autograd (the per-example gradients), and what it returns
+    (the state, the private gradient that ``PrivateGradients`` writes into ``p.grad``)
+    must stay usable after the caller's ``with torch.inference_mode():`` ends: an
+    inference tensor cannot be changed in place outside inference mode
+    (``optimizer.zero_grad(set_to_none=False)``, ``p.grad.add_(...)``).
+    """
+    if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+        return torch.inference_mode(False)
+    return nullcontext()
+
+
+def _refuse_resized(before: dict[str, torch.Size], now: dict[str, torch.Size]) -> None:
+    """Raises ``ValueError`` naming the first parameter whose shape differs between the dicts."""
+    for name, shape in now.items():
+        old = before.get(name)
+        if old is not None and old != shape:
+            raise ValueError(
+                f"the model's parameter {name!r} changed shape from {tuple(old)} to "
+                f"{tuple(shape)} since the previous step (a layer resized in place, e.g. with "
+                "`.data =` or `.set_()`): a run follows a model that is moved or converted, not "
+                "one resized, whose noise and optimizer state are shaped like the old "
+                "parameter. Resize the model before building PrivateGradients, or build "
+                "PrivateGradients and the optimizer again"
+            )
+    raise ValueError(  # the names changed: the caller checks names first, so not reached there
+        f"the model's parameters changed since the previous step: {sorted(before)[:5]} -> "
+        f"{sorted(now)[:5]}; build PrivateGradients and the optimizer again"
+    )
 
 
 def _row_slice(start: int, stop: int) -> Callable[[Any], Any]:

@@ -417,6 +417,59 @@ def test_a_list_of_tensors_is_columns_like_a_tuple():
         assert all(torch.equal(a, b) for a, b in zip(bl, bt))
 
 
+@pytest.mark.parametrize("count, shape", [(50, (3, 4, 4)), (200, (5,)), (2, (7,))])
+def test_a_list_of_tensors_of_one_shape_is_refused_naming_both_readings(count, shape):
+    # measured: 50 images of (3, 4, 4) were read as 3 examples of 50 columns, and 200
+    # vectors of 5 as 5 examples (refused later for its expected_batch_size)
+    entries = [torch.randn(shape) for _ in range(count)]
+    for entry in (entries, [e.numpy() for e in entries]):
+        with pytest.raises(ValueError) as info:
+            dataset_size(entry)
+        message = str(info.value)
+        assert f"as {count} examples of shape {shape}" in message
+        assert f"as {shape[0]} examples of {count} columns" in message
+        assert "torch.stack(dataset)" in message and "tuple(dataset)" in message
+        with pytest.raises(ValueError, match="reads two ways"):
+            PoissonBatches(entry, 0.5, 2, seed=0)
+    # each way of saying which is read as it says
+    assert dataset_size(torch.stack(entries)) == count
+    assert dataset_size(tuple(entries)) == shape[0]
+
+
+def test_a_list_of_0d_tensors_is_examples():
+    values = [torch.tensor(float(i)) for i in range(5)]
+    assert dataset_size(values) == 5
+    ((batch, mask),) = micro_batches(values, [4, 1], 3)
+    assert batch.tolist() == [4.0, 1.0, 0.0] and mask.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_a_tuple_of_one_shape_stays_columns():
+    ids, mask, labels = (torch.arange(12).reshape(4, 3) + k for k in range(3))
+    assert dataset_size((ids, mask, labels)) == 4  # the (input_ids, mask, labels) form
+    ((batch, _),) = micro_batches((ids, mask, labels), [2], 1)
+    assert [t.tolist() for t in batch] == [[[6, 7, 8]], [[7, 8, 9]], [[8, 9, 10]]]
+
+
+def test_a_list_of_example_tuples_is_examples():
+    x, y = rows_dataset(6)
+    pairs = list(zip(x, y))
+    assert dataset_size(pairs) == 6
+    ((bx, by), mask) = micro_batches(pairs, [5, 2], 3)[0]
+    assert torch.equal(bx, x[[5, 2, 0]]) and by.tolist() == [5, 2, 0]
+    assert mask.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_a_tuple_of_tuples_is_refused_naming_both_readings():
+    x, y = rows_dataset(6)
+    for dataset in (tuple(zip(x, y)), tuple(zip(*zip(x, y)))):  # 6 examples; 2 columns
+        with pytest.raises(ValueError) as info:
+            dataset_size(dataset)
+        message = str(info.value)
+        assert f"as {len(dataset)} examples, one per tuple" in message
+        assert "columns of per-example values" in message and "list(dataset)" in message
+    assert dataset_size(list(zip(x, y))) == 6
+
+
 def test_a_numpy_array_is_rows_like_a_tensor():
     x, _ = rows_dataset(5)
     xn = x.numpy()

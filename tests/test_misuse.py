@@ -353,3 +353,25 @@ def test_a_private_gradient_never_stepped_is_not_dropped_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         private.backward(next(batches))
+
+
+def test_a_parameter_resized_before_the_first_backward_is_named():
+    model = mlp()
+    private = private_for(model)
+    with torch.no_grad():
+        model[2].bias.data = torch.zeros(2)  # resized in place: the same Parameter object
+    with pytest.raises(ValueError, match=r"'2.bias' changed shape from \(3,\) to \(2,\)"):
+        private.backward(next(private.batches(1)))
+    assert private.steps_done == 0
+
+
+def test_the_loop_runs_under_inference_mode():
+    model = mlp()
+    private = private_for(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with torch.inference_mode():
+        for batch in private.batches(2):
+            private.backward(batch)
+            optimizer.step()
+            optimizer.zero_grad()
+    assert private.steps_done == 2

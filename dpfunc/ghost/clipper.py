@@ -188,6 +188,9 @@ def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPl
                 clipper.method,
             )
         except Exception as error:  # the loss could not run under the analysis
+            own = _own_failure(clipper.loss_fn, dict(zip(names, params)), example)
+            if own is not None:  # nor without it: the loss's own error, which the step explains
+                raise own from None
             plan = _all_vmap(names, f"the analysis pass failed: {type(error).__name__}: {error}")
         if timed and plan.modules:
             params = dict(zip(names, params))
@@ -209,6 +212,23 @@ def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPl
             stacklevel=4,
         )
     return plan
+
+
+def _own_failure(loss_fn, params: Params, example) -> Exception | None:
+    """The error ``loss_fn(params, example)`` raises plainly (no hooks, no tracking), if any.
+
+    An analysis pass that fails where the plain loss fails too says nothing about
+    ghost clipping: the loss cannot run on this example at all (data of the wrong
+    dtype, a label out of range), and a warning about falling back to vmap would
+    only precede the same error from the vmap path. Global RNG state is restored.
+    """
+    devices = sorted({t.device.index for t in params.values() if t.device.type == "cuda"})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            loss_fn({k: v.detach() for k, v in params.items()}, example)
+    except Exception as error:
+        return error
+    return None
 
 
 def _all_vmap(names, why: str) -> GhostPlan:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
+from torch.utils._pytree import tree_map as _torch_tree_map
 
 from ..clipping import accumulation_dtype
 from ..tree import Params, PyTree
@@ -102,7 +103,10 @@ class _Analysis:
             self.stack.pop()
         call = self.calls[path][-1]
         x = module_input(args, kwargs)
-        call.x, call.version = (x, x._version) if isinstance(x, Tensor) else (None, None)
+        # an inference tensor has no version counter, and outside inference mode (where
+        # the analysis runs) it cannot be modified in place: nothing to track
+        call.x = x if isinstance(x, Tensor) else None
+        call.version = x._version if call.x is not None and not x.is_inference() else None
         call.output = output
         return None
 
@@ -143,10 +147,7 @@ def analyse(
     rule says is cheaper materialised (its ``cheaper``); ``"ghost"`` ghosts
     every parameter it can. Global RNG state is restored afterwards.
     """
-    params = {
-        k: v.detach().requires_grad_(v.is_floating_point() or v.is_complex())
-        for k, v in params.items()
-    }
+    params, example = _outside_inference(params, example)
     analysis = _Analysis(params, hooks)
     pre_handles = [
         module.register_forward_pre_hook(
@@ -156,8 +157,12 @@ def analyse(
         for path, module in hooks.modules.items()
     ]
     devices = sorted({t.device.index for t in params.values() if t.device.type == "cuda"})
-    try:
-        with torch.random.fork_rng(devices=devices), _UseTracker(analysis):
+    try:  # outside a caller's inference mode: its tensors keep no version counters
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.inference_mode(False),
+            _UseTracker(analysis),
+        ):
             hooks.ctx = analysis
             try:
                 loss_fn(params, example)
@@ -289,6 +294,25 @@ def tf32_risk(device: torch.device, dtype: torch.dtype) -> bool:
     return cpu not in exact
 
 
+def _outside_inference(params: Params, example: PyTree) -> tuple[Params, PyTree]:
+    """The analysis pass's inputs: detached parameters that require grad, and the example.
+
+    A tensor made in inference mode (under a caller's ``torch.inference_mode()``)
+    cannot join autograd and keeps no version counter: such a parameter or example
+    leaf is copied, outside inference mode, into an ordinary tensor.
+    """
+
+    def normal(value: Any) -> Any:
+        return value.clone() if isinstance(value, Tensor) and value.is_inference() else value
+
+    with torch.inference_mode(False):
+        params = {
+            k: normal(v).detach().requires_grad_(v.is_floating_point() or v.is_complex())
+            for k, v in params.items()
+        }
+        return params, _torch_tree_map(normal, example)
+
+
 def _disqualify(module: nn.Module, calls: list[_Call], hook_id: int) -> str:
     # dpfunc's hook must see the module's own output: the probe's gradient is then
     # the gradient with respect to it, which the rules assume
@@ -313,7 +337,7 @@ def _disqualify(module: nn.Module, calls: list[_Call], hook_id: int) -> str:
             return "called inside a nested torch.func transform (e.g. an input derivative)"
         if c.x is None:
             return "its input is not a tensor"
-        if c.x._version != c.version:
+        if c.version is not None and c.x._version != c.version:
             return "its input is modified in place after the call"
         out = c.output[0] if rule.unrolled and isinstance(c.output, tuple) else c.output
         if not isinstance(out, Tensor):
