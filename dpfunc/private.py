@@ -207,6 +207,7 @@ class PrivateGradients(PlannedRun):
         self._yielded_versions: list[tuple[int, int]] = []  # its tensors (id, version) then
         self._written: dict[str, Tensor] = {}  # the private gradient each p.grad must be
         self._applied = True  # an optimizer stepped the last private gradient (or none yet)
+        self._released = 0  # private gradients this object wrote (loading one's own: refused)
         self._in_backward = False
         _guard(self)
 
@@ -303,6 +304,7 @@ class PrivateGradients(PlannedRun):
             p.grad = _like(p, private[name].to(p.dtype))
             self._written[name] = p.grad
         self._applied = False
+        self._released += 1
         self.state = state._replace(params=params)
         self._issued = self._yielded = None
         return metrics
@@ -428,8 +430,18 @@ class PrivateGradients(PlannedRun):
 
         Raises:
             ValueError: of another run's settings (each difference named),
-                seed or version, or malformed; nothing changes then.
+                seed or version, or malformed; or this ``PrivateGradients``
+                has already written gradients of its own (the model holds
+                steps the loaded accountant would not count: load into a
+                fresh one); nothing changes then.
         """
+        if self._released:
+            raise ValueError(
+                f"this PrivateGradients has already written {self._released} private gradients "
+                "into the model; loading a state_dict would replace its accountant, and the "
+                "model would keep steps no epsilon counts. Load into a freshly built "
+                "PrivateGradients (with the model's and the optimizer's state dicts)"
+            )
         mine = [self.rank, self.world_size] if self.step_fn.sharded and self.bands > 1 else None
         if isinstance(state_dict, dict) and state_dict.get("rows_of") != mine:
             raise ValueError(
@@ -528,6 +540,20 @@ def _guard(private: PrivateGradients) -> None:
     """
     run = weakref.ref(private)
     with _GUARD_LOCK:
+        others = {
+            id(other): other
+            for p in private.model.parameters()
+            if (other := _GUARDED.get(p, (lambda: None, None))[0]()) is not None and other._released
+        }
+        for other in others.values():
+            warnings.warn(
+                f"this model has already received {other._released} private gradients from "
+                f"another live PrivateGradients (epsilon {other.epsilon():.4g} at delta "
+                f"{other.delta:g}): the epsilon of this new run does not count them. What the "
+                "model releases composes both runs' epsilons; to continue one run, resume its "
+                "state_dict instead of starting a new one",
+                stacklevel=4,
+            )
         for p in private.model.parameters():
             _GUARDED[p] = (run, None)
         for name, p in private._trainable:

@@ -375,3 +375,23 @@ def test_the_loop_runs_under_inference_mode():
             optimizer.step()
             optimizer.zero_grad()
     assert private.steps_done == 2
+
+
+def test_loading_into_a_run_that_already_wrote_gradients_is_refused():
+    model = mlp()
+    private = private_for(model, noise_multiplier=1.0)
+    private.backward(next(private.batches(1)))
+    saved = private.state_dict()
+    other = private_for(mlp(), noise_multiplier=1.0)
+    other.backward(next(other.batches(1)))  # its own step, in its model
+    with pytest.raises(ValueError, match="already written 1 private gradients"):
+        other.load_state_dict(saved)
+    assert other.steps_done == 1
+
+
+def test_a_second_run_on_a_trained_model_says_its_epsilon_does_not_count_the_first():
+    model = mlp()
+    first = private_for(model, noise_multiplier=1.0)
+    first.backward(next(first.batches(1)))
+    with pytest.warns(UserWarning, match="already received 1 private gradients"):
+        private_for(model, noise_multiplier=1.0)
