@@ -250,6 +250,8 @@ def _check_overwrite(trainer: Any, path: str | os.PathLike) -> None:
     The file at ``path`` is read unless this run wrote it last (its
     signature unchanged since), so a run saving every epoch reads it once.
     """
+    if trainer.step_fn.sharded and os.path.exists(path) and not os.path.isdir(path):
+        return  # refused by the sharded save, which needs a directory
     signature = _signature(path)
     written = trainer.__dict__.setdefault("_checkpoints_written", {})
     if signature is None or written.get(os.path.realpath(path)) == signature:

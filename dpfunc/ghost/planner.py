@@ -148,29 +148,7 @@ def analyse(
     every parameter it can. Global RNG state is restored afterwards.
     """
     params, example = _outside_inference(params, example)
-    analysis = _Analysis(params, hooks)
-    pre_handles = [
-        module.register_forward_pre_hook(
-            lambda mod, args, kwargs, path=path: analysis.before_forward(path, mod, args, kwargs),
-            with_kwargs=True,
-        )
-        for path, module in hooks.modules.items()
-    ]
-    devices = sorted({t.device.index for t in params.values() if t.device.type == "cuda"})
-    try:  # outside a caller's inference mode: its tensors keep no version counters
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.inference_mode(False),
-            _UseTracker(analysis),
-        ):
-            hooks.ctx = analysis
-            try:
-                loss_fn(params, example)
-            finally:
-                hooks.ctx = None
-    finally:
-        for handle in pre_handles:
-            handle.remove()
+    analysis = _record(loss_fn, hooks, params, example)
 
     # which calls are clean, module by module
     unclean: dict[str, str] = {}
@@ -225,6 +203,34 @@ def analyse(
         modules.append(GhostModule(path, attrs, bound, shapes, dtype))
     reasons = tuple(f"{why} (parameters {names})" for why, names in fallbacks.items())
     return GhostPlan(tuple(modules), reasons, tuple(vmapped.items()))
+
+
+def _record(loss_fn: Any, hooks: GhostHooks, params: Params, example: PyTree) -> _Analysis:
+    """Runs the loss once under the analysis: every hooked module's calls and every use."""
+    analysis = _Analysis(params, hooks)
+    pre_handles = [
+        module.register_forward_pre_hook(
+            lambda mod, args, kwargs, path=path: analysis.before_forward(path, mod, args, kwargs),
+            with_kwargs=True,
+        )
+        for path, module in hooks.modules.items()
+    ]
+    devices = sorted({t.device.index for t in params.values() if t.device.type == "cuda"})
+    try:  # outside a caller's inference mode: its tensors keep no version counters
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.inference_mode(False),
+            _UseTracker(analysis),
+        ):
+            hooks.ctx = analysis
+            try:
+                loss_fn(params, example)
+            finally:
+                hooks.ctx = None
+    finally:
+        for handle in pre_handles:
+            handle.remove()
+    return analysis
 
 
 def _why_not(name, model, hooks, analysis, unclean, paths) -> str:
