@@ -14,8 +14,8 @@ run of ``steps`` identical steps is::
 
 and a training history whose noise or rate changes is the ``ComposedDpEvent``
 of its runs. dpfunc re-derives none of the mathematics: the epsilon is the
-one the library's accountants give for these events (the PLD one rounded
-up by 1e-7 relative, so never a smaller one; see "Cost" below).
+one the library's accountants give for these events, or, for PLD, an upper
+bound on it that is never below it (see "Cost" and "Out of reach" below).
 
 Two methods:
 
@@ -69,30 +69,61 @@ Here the same computation is organised to be paid once:
 
 An epsilon after each epoch then costs ~10-30 ms and a calibration
 0.05-0.2 s, in a fresh process (``bench/accounting.md``). The result is the
-library's pessimistic upper bound: the same grid, the same rounding, and the
-tails that the composition cuts (at most 1e-15 of mass per run, by the
-Chernoff bound) counted as infinite loss as the library counts them, plus
-another 1e-15 per run for what the library's own truncation and FFT
-wrap-around can add at the top. Otherwise the arithmetic differs from the
-library's only in floating-point rounding (FFT sizes, summation order: about
-1e-9 relative, measured); the PLD epsilon is rounded up by 1e-7 relative to
-cover it. The FFT's own rounding spreads about 1e-11 of the mass over the
-bins, of either sign: the bins it makes negative are set to 0 and twice their
-mass is counted as infinite loss, and where ``delta`` is within 1000 times
-that mass (tiny deltas, long runs at small rates: ``delta = 1e-8`` after 10^4
-steps at ``q = 1e-4``), or ``delta < 1e-10``, the library's accountant
-computes the epsilon instead, at its cost. So it is never below the library's, and within 1e-6 of
-it for ``delta >= 1e-8`` at the rates and lengths measured; at smaller deltas
-the allowances weigh more (e.g. +6e-4 relative at ``delta = 1e-12``,
-``sigma = 0.9``, ``q = 0.02``, 800 steps). ``tests/test_accounting.py``
-compares the two over a grid, including long runs at small rates and deltas,
-and a report's epsilon is checked against the library from scratch
-(:meth:`Accountant.checked_epsilon`). RDP is
-the library's arithmetic exactly: one step's RDP per ``(noise_multiplier,
-sample_rate)`` is cached (256 of them) and multiplied by the step counts.
-Results of whole histories are cached too (256, keyed by the runs and
-delta). If a future ``dp_accounting`` lacks the internals these paths read,
-every epsilon comes from its accountants instead, as slow as they are.
+library's pessimistic upper bound on the same grid, never below the library's
+value, with these allowances counted as infinite loss (each raises epsilon a
+little, never lowers it):
+
+* the tails that the composition cuts (at most 1e-15 of mass per run, by the
+  Chernoff bound) as the library counts them, plus another 1e-15 per run for
+  what the library's own truncation and FFT wrap-around can add at the top;
+* the FFT's rounding, of this composition and of the library's: raising a
+  spectrum to the power ``t`` multiplies its rounding by ``t``, which moves
+  every tail sum of the composed distribution, hence the hockey-stick
+  divergence at every epsilon, by up to about ``eps * t * ||p||_2 *
+  sqrt(log2 size)`` (``p`` the one-step PMF; measured at most 3.9 times that,
+  against the same composition in extended precision, on 260 random cases);
+  16 times that is counted, with twice the mass of the bins the rounding made
+  negative (set to 0). Without it the library's own rounding lifted its
+  epsilon above the fast one by up to 1.1e-4 relative (long runs at
+  ``delta <= 1e-8``).
+
+The PLD epsilon is also rounded up by 1e-7 relative for the one-step
+arithmetic, which differs from the library's by rounding (about 1e-9
+relative, measured). Who computes it is decided before anything is composed:
+the fast composition where its rounding allowance ``A`` is at most
+``delta / 100``; else the library's accountant where it is estimated to take
+at most ~1.5 s; else the fast composition while ``A < delta / 2``; else the
+library where it takes at most ~5 s; else ``ValueError`` (``delta`` too small
+for PLD accounting of those steps: the library's own rounding reaches it).
+So the epsilon is never below the library's, and above it by at most 1e-5
+relative for ``delta >= 1e-6``, 1e-3 for ``delta >= 1e-8``, 3e-3 for
+``delta >= 1e-10``, a few percent below that (the largest on 240 random
+cases: 1.6e-6, 2.3e-4, 8.7e-4 and 8.3e-3; ``bench/accounting.md``). It is
+``inf`` for ``delta`` at most 2e-15 per run (the tails counted as infinite
+loss; the library's is ``inf`` below 1e-15): use RDP there.
+``tests/test_accounting.py`` compares the two over grids, and a report's
+epsilon is checked against the library from scratch
+(:meth:`Accountant.checked_epsilon`). RDP is the library's arithmetic
+exactly: one step's RDP per ``(noise_multiplier, sample_rate)`` is cached
+(256 of them) and multiplied by the step counts. Results of whole histories
+are cached too (256, keyed by the runs and delta). If a future
+``dp_accounting`` lacks the internals these paths read, every epsilon comes
+from its accountants instead, as slow as they are.
+
+Out of reach. Some inputs would need more than the memory or time anyone
+has: a one-step PLD of more than 2**20 grid points (``noise_multiplier``
+below ~0.1: 6e7 points at 0.01, 38 GiB at 1e-3), a composition of more than
+2**23 points (10**9 steps and more), or arithmetic that overflows (sigma
+near 0, rates near 0). There the PLD epsilon is computed on a coarser
+grid, ``1e-4 * 2**k`` with the smallest ``k <= 14`` that fits an eighth of
+those limits (0.2 s at ``noise_multiplier=0.05``): its one-step distributions
+dominate the 1e-4 grid's (connect-the-dots interpolates the convex
+divergence curve through fewer of the same points), so its epsilon is an
+upper bound on the 1e-4 grid's; past that, it is the RDP upper bound (``inf``
+where even that overflows). Either way a ``RuntimeWarning`` says so, and
+:meth:`Accountant.checked_epsilon` does not run the library. Noise
+multipliers above 1e100 are accounted as 1e100: epsilon only falls as the
+noise grows (0.0 there, at any realistic step count).
 """
 
 from __future__ import annotations
@@ -213,13 +244,38 @@ _STEP_CACHE_SIZE = 8
 _COARSE_VALUE_DISCRETIZATION_INTERVAL = 1e-3
 # The reported PLD epsilon is the computed one times (1 + this): it covers the
 # floating-point differences (about 1e-9 relative in the tests) between this
-# module's arithmetic and the library's, so it is never below the library's.
+# module's one-step arithmetic and the library's, so it is never below the library's.
 _PLD_ROUND_UP = 1e-7
-# The fast composition decides only where delta exceeds its FFT rounding mass this many times,
-# and is at least this: below, its tail allowances and the library's truncation of each run
-# can differ by more than the rounding up covers (-1.5e-5 relative at delta 1e-12, measured).
-_ROUNDING_MARGIN = 1e3
-_FAST_DELTA_MIN = 1e-10
+# Raising a spectrum to the power t multiplies its rounding by t: the composed PMF's tail sums
+# are off by up to about eps * t * ||one-step PMF||_2 * sqrt(log2 size), in the library's
+# composition as in this one (3.9 times that at most, measured on 260 cases against the same
+# composition in extended precision). This many times it is counted as infinite loss
+# (_noise_allowance): the library's rounding cannot lift its epsilon above the fast one.
+_NOISE_FACTOR = 16.0
+# The fast composition decides alone where that allowance is at most delta / this (it then moves
+# epsilon by about 1e-3 relative at most, and typically by less than 1e-5); above it the library
+# decides where it is cheap (_LIBRARY_SECONDS), else the fast composition does while the
+# allowance stays below delta / 2.
+_NOISE_MARGIN = 1e2
+# Estimated cost of the library's accountant: seconds per grid point of a one-step PMF (its
+# Python loop) and per point of a composed transform, twice what was measured; the library is
+# asked only while the estimate is at most _LIBRARY_MAX_SECONDS.
+_LIBRARY_SECONDS = (12e-6, 0.5e-6)
+_LIBRARY_MAX_SECONDS = 3.0
+# Where the fast composition cannot answer at all (allowance >= delta / 2), up to this.
+_LIBRARY_HARD_SECONDS = 10.0
+# The largest one-step grid (points) built and the largest transform composed here: 8 MB and
+# 64 MB of float64. A PLD that needs more is computed on a coarser grid (1e-4 * 2**k, an upper
+# bound on the 1e-4 one: _coarse_or_rdp), up to this k; past it, by RDP.
+_MAX_STEP_POINTS = 1 << 20
+_MAX_FFT_SIZE = 1 << 23
+_MAX_COARSENING = 14
+# A coarser grid is chosen to need this many times fewer points than the limits (faster).
+_COARSE_HEADROOM = 8.0
+# Noise multipliers above this are accounted as this one: epsilon only falls as the noise grows,
+# and beyond it sigma**2 overflows in the library's formulas.
+_SIGMA_CAP = 1e100
+_EPS = float(np.finfo(np.float64).eps)
 # The library's tolerance for divergences that grow along the grid (rounding).
 _DELTA_DIFF_TOLERANCE = 1e-12
 # Chernoff orders, times -1 / support size, beyond the library's 1..20: they narrow
@@ -322,18 +378,32 @@ class _GaussianLoss(_plm.GaussianPrivacyLoss):
         return np.clip(deltas, 0, 1)
 
 
+class _Infeasible(Exception):
+    """The PLD of some runs on some grid is beyond what is computed here; the message says why.
+
+    ``coarsen`` is the factor by which the grid would have to be coarser for it to fit
+    (``inf`` where no grid would: the FFT's rounding, or overflow).
+    """
+
+    def __init__(self, reason: str, coarsen: float = math.inf) -> None:
+        super().__init__(reason)
+        self.coarsen = coarsen
+
+
 class _StepLoss:
     """One side (remove or add neighbours) of one step's discretised PLD, ready to compose.
 
     ``probs[i]`` is the mass of the loss ``(lower + i) * interval``,
-    ``inf_mass`` that of an infinite loss. Also holds the log moment
-    generating function at the Chernoff orders (for :meth:`window`) and the
-    last spectrum computed (for :func:`_composed_side`).
+    ``inf_mass`` that of an infinite loss, ``norm`` the L2 norm of ``probs``
+    (it sizes the FFT's rounding, :func:`_noise_allowance`). Also holds the
+    log moment generating function at the Chernoff orders (for
+    :meth:`window`) and the last spectrum computed (for :func:`_composed_side`).
     """
 
     def __init__(self, lower: int, probs: np.ndarray, inf_mass: float) -> None:
         probs.setflags(write=False)
         self.lower, self.probs, self.inf_mass = lower, probs, inf_mass
+        self.norm = float(np.sqrt(np.dot(probs, probs)))
         size = len(probs)
         # log E[exp(t i)] at t = m / size: the library's orders m = +-1..20, and
         # _FAR_ORDERS (lower bound only).
@@ -348,9 +418,10 @@ class _StepLoss:
         order = sorted(logs)
         self.orders = np.array(order, dtype=np.float64) / size
         self.log_mgfs = np.array([logs[m] for m in order])
+        self._library_orders = np.abs(self.orders) <= 20 / size + 1e-12
         self._spectrum: tuple[int, Any, Any] = (0, None, None)
 
-    def window(self, count: int) -> tuple[int, int]:
+    def window(self, count: int, library: bool = False) -> tuple[int, int]:
         """Index range holding all but ``_TAIL_MASS`` of ``count`` self-compositions.
 
         The Chernoff bound at each order, as in the library's
@@ -359,14 +430,17 @@ class _StepLoss:
         where epsilon is decided, is kept here too. The lower end also uses
         orders further out, which narrow the window (and the FFT) after many
         compositions; the mass it cuts has losses far below any epsilon, where
-        it cannot change one.
+        it cannot change one. ``library=True``: the library's own window (its
+        orders only), to estimate its cost.
         """
         lower, upper = 0, (len(self.probs) - 1) * count
-        bounds = (count * self.log_mgfs + math.log(2 / _TAIL_MASS)) / self.orders
-        for order, bound in zip(self.orders, bounds):
+        keep = self._library_orders if library else slice(None)
+        orders, log_mgfs = self.orders[keep], self.log_mgfs[keep]
+        bounds = (count * log_mgfs + math.log(2 / _TAIL_MASS)) / orders
+        for order, bound in zip(orders, bounds):
             if math.isfinite(bound):
                 if order > 0:
-                    upper = min(upper, math.ceil(bound) + 2)
+                    upper = min(upper, math.ceil(bound) + (0 if library else 2))
                 else:
                     lower = max(lower, math.floor(bound))
         return lower, upper
@@ -398,8 +472,14 @@ def _connect_the_dots(loss: _GaussianLoss, interval: float) -> tuple[int, np.nda
 
     Raises:
         ValueError: the divergences increase (as the library does).
+        _Infeasible: the grid would have more than ``_MAX_STEP_POINTS`` points
+            (or infinitely many: noise multipliers near 0).
     """
     bounds = loss.connect_dots_bounds()
+    span = (bounds.epsilon_upper - bounds.epsilon_lower) / interval + 2
+    if not span <= _MAX_STEP_POINTS:  # NaN and inf included
+        coarsen = span / _MAX_STEP_POINTS if math.isfinite(span) else math.inf
+        raise _Infeasible(f"one step's PLD would need {span:.3g} grid points", coarsen)
     first = math.floor(bounds.epsilon_lower / interval)
     last = math.ceil(bounds.epsilon_upper / interval)
     deltas = np.asarray(
@@ -425,11 +505,21 @@ def _step_losses(sigma: float, rate: float, interval: float) -> tuple[_StepLoss,
     The library's ``from_gaussian_mechanism`` with its defaults
     (connect-the-dots, pessimistic, sensitivity 1, log mass truncation -50),
     computed by :class:`_GaussianLoss` and :func:`_connect_the_dots`.
+
+    Raises:
+        _Infeasible: as :func:`_connect_the_dots`, or the library's privacy loss
+            fails in floating point (sigma or rate near 0: overflow, 0 / 0).
     """
 
     def side(adjacency: Any) -> _StepLoss:
-        loss = _GaussianLoss(sigma, sampling_prob=rate, adjacency_type=adjacency)
-        return _StepLoss(*_connect_the_dots(loss, interval))
+        try:
+            with np.errstate(all="ignore"):
+                loss = _GaussianLoss(sigma, sampling_prob=rate, adjacency_type=adjacency)
+                return _StepLoss(*_connect_the_dots(loss, interval))
+        except _Infeasible:
+            raise
+        except (ArithmeticError, ValueError) as error:  # extreme sigma or rate (overflow, 0 / 0)
+            raise _Infeasible(f"the library's privacy loss fails ({error})") from error
 
     remove = side(_plm.AdjacencyType.REMOVE)
     return (remove, remove) if rate == 1.0 else (remove, side(_plm.AdjacencyType.ADD))
@@ -447,43 +537,74 @@ def _fft_size(need: int) -> int:
     return scipy.fft.next_fast_len(max(need, math.ceil(_FFT_LADDER**rung)), real=True)
 
 
-def _composed_side(parts: list[tuple[_StepLoss, int]]) -> tuple[int, np.ndarray, float, float]:
-    """``(lower, probs, inf_mass, rounding)`` of the composition of ``count`` copies of each part.
+Parts = list[tuple[_StepLoss, int]]
 
-    ``rounding`` is the part of ``inf_mass`` that stands for the FFT's
-    rounding error (twice the mass of the bins it made negative, which are
-    set to 0).
 
-    The convolution runs in one FFT: the product of the parts' spectra, each
-    raised to its count. Each part's Chernoff window (:meth:`_StepLoss.window`)
-    loses at most ``_TAIL_MASS``; the sum lies outside the sum of the windows
-    with at most that much per part, which is counted as infinite loss (what
-    the library's ``self_compose`` does for one part). Mass outside the
-    window wraps around into it, as in the library. Another ``_TAIL_MASS``
-    per part is counted as infinite loss too: it covers what the library's
-    composition moves there (its truncation of each run's tails) and what its
-    own wrap-around lifts to the top, so the result does not fall below the
-    library's for those reasons either.
+def _side_plan(parts: Parts) -> tuple[int, int, int]:
+    """``(start, length, size)`` of the composition of ``parts``: see :func:`_composed_side`.
+
+    Raises:
+        _Infeasible: the transform would be larger than ``_MAX_FFT_SIZE``.
     """
     windows = [step.window(count) for step, count in parts]
     start = sum(lo for lo, _ in windows)
     length = sum(hi - lo for lo, hi in windows) + 1
     need = max(length, *(len(step.probs) for step, _ in parts))
-    size = _fft_size(need)
+    if need > _MAX_FFT_SIZE:
+        raise _Infeasible(
+            f"the composition would need {need:.3g} grid points", need / _MAX_FFT_SIZE
+        )
+    return start, length, _fft_size(need)
+
+
+def _noise_allowance(parts: Parts, size: int) -> float:
+    """Mass counted as infinite loss for the FFT's rounding, this module's and the library's.
+
+    The FFT of a one-step PMF ``p`` errs by about ``eps * ||p||_2 *
+    sqrt(log2 size)`` per frequency; raised to the power ``t`` that error is
+    multiplied by ``t``, and the composed PMF's tail sums (hence the
+    hockey-stick divergence at every epsilon) move by about as much, of either
+    sign, in the library's composition as in this one. This is
+    ``_NOISE_FACTOR`` times that, summed over the parts, plus one unit per
+    part after the first for the library's composition of runs with each other.
+    """
+    scale = sum(count * step.norm for step, count in parts) + len(parts) - 1
+    return _NOISE_FACTOR * _EPS * math.sqrt(math.log2(size)) * scale
+
+
+def _composed_side(
+    parts: Parts, plan: tuple[int, int, int], allowance: float
+) -> tuple[int, np.ndarray, float]:
+    """``(lower, probs, inf_mass)`` of the composition of ``count`` copies of each part.
+
+    The convolution runs in one FFT of ``plan``'s size (:func:`_side_plan`):
+    the product of the parts' spectra, each raised to its count. Each part's
+    Chernoff window (:meth:`_StepLoss.window`) loses at most ``_TAIL_MASS``;
+    the sum lies outside the sum of the windows with at most that much per
+    part, which is counted as infinite loss (what the library's
+    ``self_compose`` does for one part). Mass outside the window wraps around
+    into it, as in the library. Another ``_TAIL_MASS`` per part is counted as
+    infinite loss too: it covers what the library's composition moves there
+    (its truncation of each run's tails) and what its own wrap-around lifts to
+    the top, so the result does not fall below the library's for those
+    reasons either. The FFT's rounding is counted twice over: ``allowance``
+    (:func:`_noise_allowance`, an a-priori bound covering the library's
+    rounding too), and twice the mass of the bins it made negative, which are
+    set to 0.
+    """
+    start, length, size = plan
     spectra = [(count, *step.spectrum(size)) for step, count in parts]
     # Only the low frequencies survive the powers: exp() of the rest is exactly 0.0.
     keep = np.flatnonzero(sum(count * modulus for count, _, modulus in spectra) > _LOG_UNDERFLOW)
     spectrum = np.zeros(size // 2 + 1, dtype=np.complex128)
     spectrum[keep] = np.exp(sum(count * np.log(full[keep]) for count, full, _ in spectra))
     probs = np.roll(scipy.fft.irfft(spectrum, size), -start)[:length]
-    # The FFT's rounding spreads an error of about 1e-11 of the mass over the bins, of either
-    # sign; the negative bins show its size. Clipped to 0, twice their mass is counted as
-    # infinite loss, which bounds what the rounding can move across any epsilon.
     rounding = 2.0 * float(-probs[probs < 0].sum())
     probs = np.maximum(probs, 0.0)
     lower = sum(step.lower * count for step, count in parts) + start
     log_keep = sum(count * math.log1p(-step.inf_mass) for step, count in parts)
-    return lower, probs, 2 * _TAIL_MASS * len(parts) - math.expm1(log_keep) + rounding, rounding
+    inf_mass = 2 * _TAIL_MASS * len(parts) - math.expm1(log_keep) + rounding + allowance
+    return lower, probs, inf_mass
 
 
 def _pmf_epsilon(lower: int, probs: np.ndarray, inf_mass: float, interval: float, delta: float):
@@ -496,15 +617,20 @@ def _pmf_epsilon(lower: int, probs: np.ndarray, inf_mass: float, interval: float
     scan runs in numpy over blocks of losses from the top and stops at the
     first block holding that point; the test is written without the
     logarithm (the result is continuous there, so ties do not matter).
+    Where the scan would pass below loss 0 the epsilon is below 0, and 0.0 is
+    returned (the library returns the negative value, or 0; callers take
+    ``max(eps, 0)``).
     """
     if inf_mass > delta:
         return math.inf
     top = lower + len(probs) - 1
     mass_upper, mass_lower = inf_mass, 0.0
-    rise = _exp_steps(interval)  # exp(i * interval)
-    for begin in range(0, len(probs), _EPSILON_BLOCK):
-        p = probs[len(probs) - 1 - begin :: -1][:_EPSILON_BLOCK]
+    rise = _exp_steps(interval)  # exp(i * interval), short enough not to overflow
+    for begin in range(0, len(probs), len(rise)):
+        p = probs[len(probs) - 1 - begin :: -1][: len(rise)]
         first = (top - begin) * interval  # losses: first - i * interval
+        if first < 0:  # the epsilon is below the losses left, and below 0
+            return 0.0
         decay = math.exp(-first) * rise[: len(p)]  # exp(-loss)
         upper = np.cumsum(np.concatenate(([mass_upper], p)))  # [i]: mass above loss i
         lower_mass = np.cumsum(np.concatenate(([mass_lower], decay * p)))
@@ -528,33 +654,129 @@ def _pmf_epsilon(lower: int, probs: np.ndarray, inf_mass: float, interval: float
 
 @functools.lru_cache(maxsize=4)
 def _exp_steps(interval: float) -> np.ndarray:
-    """``exp(i * interval)`` for ``i < _EPSILON_BLOCK`` (read-only)."""
-    steps = np.exp(np.arange(_EPSILON_BLOCK) * interval)
+    """``exp(i * interval)`` for ``i < _EPSILON_BLOCK`` and ``i * interval <= 300`` (read-only)."""
+    steps = np.exp(np.arange(max(1, min(_EPSILON_BLOCK, int(300 / interval)))) * interval)
     steps.setflags(write=False)
     return steps
 
 
-def _pld_epsilon(runs: Runs, delta: float, interval: float, above: float = math.inf) -> float:
-    """PLD epsilon of validated runs (all ``sigma > 0``, ``steps > 0``), rounded up (see
-    ``_PLD_ROUND_UP``): the larger of the remove and the add side's.
+def _library_seconds(losses: list[tuple[tuple[_StepLoss, _StepLoss], int]]) -> float:
+    """An estimate (pessimistic, ``_LIBRARY_SECONDS``) of the library's time for these runs.
 
-    With ``above`` finite, stops after the remove side if that alone gives
-    more than ``above``: the value returned is then a lower bound on the
-    epsilon, enough to show it exceeds ``above`` (calibration's use).
+    Its one-step PMFs are built point by point in Python, its compositions
+    transform its own windows. A one-step PMF of at most 1000 points is
+    "sparse" (``SparsePLDPmf.self_compose``): its size is raised to the step
+    count as a Python integer (2 s at 10**7 steps, hours at 10**9), and a
+    one-point PMF is composed step by step.
     """
+    per_point, per_size = _LIBRARY_SECONDS
+    seconds = 0.0
+    for pair, count in losses:
+        for step in (pair[0],) if pair[0] is pair[1] else pair:
+            if len(step.probs) == 1:
+                seconds += 5e-6 * count
+            elif len(step.probs) <= 1000 and count > 10**6:
+                return math.inf
+            lo, hi = step.window(count, library=True)
+            seconds += per_point * len(step.probs) + per_size * (hi - lo + 1)
+    return seconds
+
+
+def _pld_epsilon(
+    runs: Runs, delta: float, interval: float, above: float = math.inf, *, library: bool = True
+) -> float:
+    """PLD epsilon of validated runs (all ``sigma > 0``, ``steps > 0``) on the grid ``interval``.
+
+    The larger of the remove and the add side's, each rounded up by
+    ``_PLD_ROUND_UP``. Who computes it is decided before anything is composed,
+    from the FFT's rounding allowance ``A`` (:func:`_noise_allowance`):
+
+    * ``A <= delta / _NOISE_MARGIN``: the fast composition;
+    * else, with ``library``, the library's accountant where its estimated
+      cost is at most ``_LIBRARY_MAX_SECONDS`` (:func:`_library_seconds`);
+    * else the fast composition while ``A < delta / 2`` (an upper bound on
+      the library's value, looser by the allowance);
+    * else the library where its estimated cost is at most
+      ``_LIBRARY_HARD_SECONDS``: its value is the only one that stands.
+
+    ``inf`` where ``delta`` is at most the ``2 * _TAIL_MASS`` per run counted as infinite
+    loss (the library's accountant counts ``_TAIL_MASS``).
+
+    With ``above`` finite, stops after the remove side if the fast composition
+    decides and that side alone gives more than ``above``: the value returned
+    is then a lower bound on the epsilon, enough to show it exceeds ``above``
+    (calibration's use); otherwise the value is the one returned without it.
+
+    Raises:
+        _Infeasible: a one-step PMF or a composition exceeds the size limits,
+            or ``A >= delta / 2`` where the library is not asked or cannot
+            answer (``_library_seconds`` infinite).
+        ValueError: ``A >= delta / 2`` where the library could answer, but
+            slower than ``_LIBRARY_HARD_SECONDS``: ``delta`` is too small.
+    """
+    if delta <= 2 * _TAIL_MASS * len(runs):  # below the tails counted as infinite loss
+        return math.inf
     losses = [(_step_losses(sigma, rate, interval), steps) for sigma, rate, steps in runs]
     symmetric = all(rate == 1.0 for _, rate, _ in runs)
-    eps = 0.0
-    for side in (0,) if symmetric else (0, 1):
-        *composed, rounding = _composed_side([(pair[side], steps) for pair, steps in losses])
-        if rounding * _ROUNDING_MARGIN > delta or delta < _FAST_DELTA_MIN:
-            # delta is within reach of the FFT's rounding (tiny deltas, long runs at small
-            # rates): the library's own accountant decides, at its cost
+    sides = [[(pair[side], steps) for pair, steps in losses] for side in (0, 1)]
+    sides = sides[:1] if symmetric else sides
+    plans = [_side_plan(parts) for parts in sides]
+    allowances = [_noise_allowance(parts, plan[2]) for parts, plan in zip(sides, plans)]
+    allowance = max(allowances)
+    if allowance * _NOISE_MARGIN > delta:
+        seconds = _library_seconds(losses) if library else math.inf
+        cap = _LIBRARY_HARD_SECONDS if 2 * allowance >= delta else _LIBRARY_MAX_SECONDS
+        if seconds <= cap:
             return _library_epsilon(runs, delta, "pld", interval)
+        if 2 * allowance >= delta:
+            steps = sum(steps for _, _, steps in runs)
+            if math.isfinite(seconds):  # the library would answer, slowly: no bound stands in
+                raise ValueError(
+                    f"delta must be at least {2 * allowance:.2g} for PLD accounting of "
+                    f"{steps} steps at these settings (the FFT rounding of dp-accounting's "
+                    f"composition is ~{allowance:.1g}; method='rdp' has no such floor), "
+                    f"got delta={delta!r}"
+                )
+            raise _Infeasible(
+                f"delta={delta!r} is within reach of the FFT's rounding over {steps} steps"
+            )
+    eps = 0.0
+    for parts, plan, allowance in zip(sides, plans, allowances):
+        composed = _composed_side(parts, plan, allowance)
         eps = max(eps, _pmf_epsilon(*composed, interval, delta) * (1 + _PLD_ROUND_UP))
         if eps > above:
             break
     return eps
+
+
+def _coarse_or_rdp(runs: Runs, delta: float, interval: float, why: _Infeasible):
+    """``(epsilon, note)`` where the PLD on the grid ``interval`` is out of reach (``why``).
+
+    First the PLD on the coarsest-needed grid ``interval * 2**k`` (``k <=
+    _MAX_COARSENING``): its one-step distributions dominate the fine grid's
+    (connect-the-dots interpolates the convex divergence curve between fewer
+    of the same points), so its epsilon is an upper bound on the fine grid's.
+    Then RDP (Mironov 2017), an upper bound on the true epsilon; ``inf`` where
+    even its arithmetic overflows (noise multipliers near 0). ``note`` says
+    which, and why.
+    """
+    reason, k = str(why), 0
+    while math.isfinite(why.coarsen):
+        k += max(1, math.ceil(math.log2(why.coarsen * _COARSE_HEADROOM)))
+        if k > _MAX_COARSENING:
+            break
+        coarse = interval * 2.0**k
+        try:
+            eps = _pld_epsilon(runs, delta, coarse, library=False)
+        except _Infeasible as error:
+            why = error
+            continue
+        return eps, (
+            f"the PLD on the {interval:g} grid is out of reach ({reason}): this is its value on "
+            f"the coarser grid {coarse:g}, an upper bound on it"
+        )
+    eps = _rdp_epsilon(runs, delta)
+    return eps, f"the PLD is out of reach ({reason}): this is the RDP upper bound"
 
 
 @functools.lru_cache(maxsize=256)
@@ -569,12 +791,18 @@ def _rdp_orders(sigma: float, rate: float) -> np.ndarray:
 
 
 def _rdp_epsilon(runs: Runs, delta: float) -> float:
-    """RDP epsilon of validated runs: the library's sum over runs and conversion, exactly."""
+    """RDP epsilon of validated runs: the library's sum over runs and conversion, exactly.
+
+    ``inf`` where the library's arithmetic overflows (noise multipliers near 0).
+    """
     rdp = np.zeros_like(_RDP_ORDERS, dtype=np.float64)
-    for sigma, rate, steps in runs:
-        rdp += steps * _rdp_orders(sigma, rate)
-    with _quiet_absl():
-        return float(_rdp_module.compute_epsilon(_RDP_ORDERS, rdp, delta)[0])
+    try:
+        with np.errstate(over="ignore", invalid="ignore"), _quiet_absl():
+            for sigma, rate, steps in runs:
+                rdp += steps * _rdp_orders(sigma, rate)
+            return float(_rdp_module.compute_epsilon(_RDP_ORDERS, rdp, delta)[0])
+    except (ArithmeticError, ValueError):
+        return math.inf
 
 
 def _history_epsilon(history: History, delta: float, method: str) -> float:
@@ -582,25 +810,45 @@ def _history_epsilon(history: History, delta: float, method: str) -> float:
 
     Memoised (a pure function of its arguments): runs that repeat one
     configuration, such as the audits of :mod:`dpfunc.audit`, pay once.
+    Warns (``RuntimeWarning``) where the value is an upper bound computed
+    otherwise than by the method asked for (:func:`_coarse_or_rdp`).
     """
     runs = tuple(tuple(run) for run in history if run[2] > 0)
-    return _runs_epsilon(runs, delta, method, PLD_VALUE_DISCRETIZATION_INTERVAL)
+    eps, note = _runs_result(runs, delta, method, PLD_VALUE_DISCRETIZATION_INTERVAL)
+    if note is not None:
+        warnings.warn(f"epsilon at delta={delta!r}: {note}", RuntimeWarning, stacklevel=3)
+    return eps
+
+
+def _canonical(runs: Runs) -> Runs:
+    """``runs`` with noise multipliers above ``_SIGMA_CAP`` lowered to it (an upper bound)."""
+    return tuple((min(sigma, _SIGMA_CAP), rate, steps) for sigma, rate, steps in runs)
+
+
+def _runs_epsilon(runs: Runs, delta: float, method: str, interval: float) -> float:
+    """The epsilon of :func:`_runs_result`, without its note."""
+    return _runs_result(runs, delta, method, interval)[0]
 
 
 @functools.lru_cache(maxsize=256)
-def _runs_epsilon(runs: Runs, delta: float, method: str, interval: float) -> float:
+def _runs_result(runs: Runs, delta: float, method: str, interval: float) -> tuple[float, Any]:
+    """``(epsilon, note)``: ``note`` is ``None``, or says what upper bound stands in for it."""
     if not runs:
-        return 0.0
+        return 0.0, None
     if any(sigma == 0.0 for sigma, _, _ in runs):
         # A noiseless step releases a deterministic function of the data.
-        return math.inf
+        return math.inf, None
+    runs, note = _canonical(runs), None
     if not _FAST:
         eps = _library_epsilon(runs, delta, method, interval)
     elif method == "pld":
-        eps = _pld_epsilon(runs, delta, interval)
+        try:
+            eps = _pld_epsilon(runs, delta, interval)
+        except _Infeasible as why:
+            eps, note = _coarse_or_rdp(runs, delta, interval, why)
     else:
         eps = _rdp_epsilon(runs, delta)
-    return max(eps, 0.0) if not math.isnan(eps) else math.inf
+    return (max(eps, 0.0) if not math.isnan(eps) else math.inf), note
 
 
 # --------------------------------------------------------------------------
@@ -665,12 +913,19 @@ def epsilon(
     examples are sampled independently with probability ``sample_rate``, and
     Gaussian noise with standard deviation ``noise_multiplier`` times the
     sensitivity (the clip norm) is added. Neighbouring datasets differ by
-    adding or removing one example. The number is ``dp_accounting``'s: the
-    PLD accountant's (Koskela et al. 2020; Doroshenko et al. 2022) with
-    ``value_discretization_interval=1e-4`` for ``"pld"``, rounded up by 1e-7
-    relative (never below it; the module docstring says why and what is
-    cached), the RDP accountant's (Mironov 2017) with its default orders,
-    exactly, for ``"rdp"``.
+    adding or removing one example. The number is ``dp_accounting``'s: for
+    ``"pld"`` the PLD accountant's (Koskela et al. 2020; Doroshenko et al.
+    2022) with ``value_discretization_interval=1e-4``, or an upper bound on
+    it that is never below it (within 1e-5 relative for ``delta >= 1e-6``,
+    1e-3 for ``delta >= 1e-8``; the module docstring says why, and what is
+    cached); for ``"rdp"`` the RDP accountant's (Mironov 2017) with its
+    default orders, exactly.
+
+    Out of reach of the 1e-4 grid (``noise_multiplier`` below ~0.1, 10**9
+    steps and more, arithmetic that overflows) the PLD epsilon is the one on
+    a coarser grid, an upper bound on the 1e-4 grid's, or else the RDP upper
+    bound, and a ``RuntimeWarning`` says which (module docstring, "Out of
+    reach"). A ``noise_multiplier`` above 1e100 is accounted as 1e100.
 
     Args:
         noise_multiplier: noise standard deviation over clip norm, ``>= 0``.
@@ -688,11 +943,17 @@ def epsilon(
     Returns:
         epsilon as a Python float, an upper bound on the privacy loss.
         ``0.0`` when ``steps == 0`` (nothing released); ``inf`` when
-        ``noise_multiplier == 0`` and ``steps > 0`` (no privacy).
+        ``noise_multiplier == 0`` and ``steps > 0`` (no privacy), and for
+        ``"pld"`` when ``delta <= 2e-15`` (the tails the composition counts
+        as infinite loss; the library's epsilon is ``inf`` below 1e-15).
 
     Raises:
         ValueError: an argument is out of range or of the wrong type
-            (the message names it and its value), or ``method`` is unknown.
+            (the message names it and its value), ``method`` is unknown, or,
+            for ``"pld"``, ``delta`` is within reach of the FFT's rounding
+            of the library's composition and the library would take long
+            (``delta=1e-13`` after 10**4 steps at ``noise_multiplier=0.3``;
+            the message gives the smallest ``delta`` that PLD accounts there).
 
     >>> epsilon(1.0, 0.01, steps=0, delta=1e-5)
     0.0
@@ -761,14 +1022,21 @@ def calibrate_noise_multiplier(
     """The (nearly) smallest ``noise_multiplier`` whose epsilon is at most the target.
 
     Contract, for the returned ``sigma`` and ``eps = epsilon(., sample_rate,
-    steps, delta, method)``:
+    steps, delta, method)`` (the value :func:`epsilon` returns, allowances
+    and fallbacks included):
 
-    * ``eps(sigma) <= target_epsilon``: the value :func:`epsilon` returned
+    * ``eps(sigma) <= target_epsilon``: the value :func:`epsilon` returns
       for exactly this ``sigma`` was checked before returning, so the
       calibration never errs on the side of less noise;
     * some ``lo >= sigma / 1.001`` has ``eps(lo) > target_epsilon``, so
-      ``sigma`` is within 0.1% above the smallest noise multiplier that meets
-      the target (epsilon decreases as sigma grows).
+      ``sigma`` is within 0.1% above the smallest noise multiplier that
+      :func:`epsilon` accepts (epsilon decreases as sigma grows).
+
+    Where :func:`epsilon` is above the library's by its rounding allowance
+    (module docstring, "Cost": tiny deltas after many steps), the smallest
+    sigma that the library itself would accept can be lower by as much: for
+    ``calibrate_noise_multiplier(50.0, 1e-9, 0.001, 10000)`` gives 0.32009,
+    where the library accepts 0.31966 (0.13% lower).
 
     How: a bracket ``eps(lo) > target >= eps(hi)`` is grown geometrically
     around a first guess, then shrunk until ``hi / lo <= 1.001`` by
@@ -777,12 +1045,16 @@ def calibrate_noise_multiplier(
     that does not halve the bracket. ``hi`` is returned. For ``"pld"`` the
     first guess comes from the Gaussian-DP approximation (Dong, Roth & Su
     2019), refined by a few secant steps on the PLD epsilon over a coarser
-    grid (1e-3, ~10x cheaper); the bracket then starts at that guess with
-    factor 1.001, and usually closes after two evaluations on the 1e-4 grid
-    (the second on the remove side only, when that alone exceeds the
-    target). Neither the approximation nor the coarse grid decides the
-    answer: both ends of the bracket are checked with :func:`epsilon`'s own
-    computation. About 0.05-0.2 s in a fresh process (``bench/accounting.md``).
+    grid (1e-3, ~10x cheaper, never by the library's accountant); the bracket
+    then starts at that guess with factor 1.001, and usually closes after two
+    evaluations on the 1e-4 grid (the second on the remove side only, when
+    that alone exceeds the target: who computes an epsilon is decided before
+    either side is composed, so that side is a lower bound on what
+    :func:`epsilon` returns). Neither the approximation nor the coarse grid
+    decides the answer: both ends of the bracket are checked with
+    :func:`epsilon`'s own computation. About 0.1-0.2 s in a fresh process
+    (``bench/accounting.md``). Where the answer's epsilon is an upper bound
+    computed otherwise (coarser grid, RDP), a ``RuntimeWarning`` says so.
 
     Args:
         target_epsilon: the privacy budget, a finite number ``> 0``.
@@ -798,9 +1070,10 @@ def calibrate_noise_multiplier(
         (no steps cost no privacy).
 
     Raises:
-        ValueError: an argument is out of range (named in the message), or
-            the target needs a noise multiplier outside the search range
-            ``[1e-3, 1e6]``.
+        ValueError: an argument is out of range (named in the message), the
+            target needs a noise multiplier outside the search range
+            ``[1e-3, 1e6]``, or ``delta`` is too small for PLD accounting
+            (as for :func:`epsilon`).
     """
     target = _check_target_epsilon(target_epsilon)
     delta = _check_delta(delta)
@@ -819,21 +1092,30 @@ def calibrate_noise_multiplier(
             f"sample_rate={sample_rate!r}, steps={steps!r}, method={method!r}, bands={bands!r})"
         )
 
+    notes: dict[float, Any] = {}  # sigma -> the note of a value computed otherwise
+
     def eps(sigma: float) -> float:
         # What epsilon() returns for sigma, so the returned sigma is checked with it; for
         # PLD, a lower bound on it where that alone exceeds the target (_pld_epsilon).
-        if method == "rdp" or not _FAST:
-            return _history_epsilon([(sigma, rate, rounds)], delta, method)
-        runs = ((sigma, rate, rounds),)
-        return _pld_epsilon(runs, delta, PLD_VALUE_DISCRETIZATION_INTERVAL, above=target)
+        runs = _canonical(((sigma, rate, rounds),))
+        if method == "pld" and _FAST:
+            with contextlib.suppress(_Infeasible):
+                return _pld_epsilon(runs, delta, PLD_VALUE_DISCRETIZATION_INTERVAL, above=target)
+        value, notes[sigma] = _runs_result(runs, delta, method, PLD_VALUE_DISCRETIZATION_INTERVAL)
+        return value
 
     guess, factor = 1.0, 2.0  # first guess and initial growth factor of the bracket
     if method == "pld":
         # The Gaussian-DP approximation, then a search on the coarse grid, place the
         # fine search; their answers are only guesses, which it checks from both sides.
-        def coarse(sigma: float) -> float:
-            runs = ((sigma, rate, rounds),)
-            return _runs_epsilon(runs, delta, "pld", _COARSE_VALUE_DISCRETIZATION_INTERVAL)
+        def coarse(sigma: float) -> float:  # never the library's (slow) accountant
+            runs = _canonical(((sigma, rate, rounds),))
+            try:
+                return _pld_epsilon(
+                    runs, delta, _COARSE_VALUE_DISCRETIZATION_INTERVAL, library=False
+                )
+            except _Infeasible as why:  # coarser still, or RDP
+                return _coarse_or_rdp(runs, delta, _COARSE_VALUE_DISCRETIZATION_INTERVAL, why)[0]
 
         guess = _secant_search(coarse, target, _gdp_guess(target, delta, rate, rounds))
         factor = 1 + _CALIBRATION_RTOL
@@ -841,6 +1123,10 @@ def calibrate_noise_multiplier(
     sigma, e_sigma = _shrink(eps, target, bracket, _CALIBRATION_RTOL)
     if not e_sigma <= target:  # the loop invariant; cannot fail
         raise RuntimeError(f"calibration failed: epsilon({sigma}) = {e_sigma} > {target}")
+    if notes.get(sigma) is not None:
+        warnings.warn(
+            f"calibration at delta={delta!r}: {notes[sigma]}", RuntimeWarning, stacklevel=2
+        )
     return sigma
 
 
@@ -1103,21 +1389,28 @@ class Accountant:
         The fast path composes the library's one-step distributions itself
         (module docstring); this runs the library's ``PLDAccountant`` (or
         ``RdpAccountant``) on the whole history too and returns the larger
-        value, so a report never rests on the fast path alone. The two agree
-        to 1e-6 relative, the fast one above; a library value above it warns,
-        since the fast path would then have under-counted. Costs the
+        value, so a report never rests on the fast path alone. The fast one
+        is never below it (module docstring, "Cost"); a library value above it
+        warns, since the fast path would then have under-counted. Costs the
         library's whole computation (tenths of a second to seconds): for a
-        final report, not for every epoch.
+        final report, not for every epoch. Where :meth:`epsilon` is an upper
+        bound computed otherwise (a coarser grid, RDP: it warned), the library
+        would need more memory or time than that, and is not run.
 
         Raises:
-            ValueError: ``delta`` outside ``(0, 1)``.
+            ValueError: ``delta`` outside ``(0, 1)``, or too small for PLD
+                accounting of the history (as for :func:`epsilon`).
         """
         fast = self.epsilon(delta)
         history = [(s, q, participations(t, self._bands)) for s, q, t in self.history]
         runs = tuple(run for run in history if run[2] > 0)
         if not runs or math.isinf(fast):
             return fast
-        library = _library_epsilon(runs, delta, self._method, PLD_VALUE_DISCRETIZATION_INTERVAL)
+        if _runs_result(runs, delta, self._method, PLD_VALUE_DISCRETIZATION_INTERVAL)[1]:
+            return fast  # computed otherwise, and warned: the library is out of reach
+        library = _library_epsilon(
+            _canonical(runs), delta, self._method, PLD_VALUE_DISCRETIZATION_INTERVAL
+        )
         if library > fast:
             warnings.warn(
                 f"dp_accounting's accountant gives epsilon={library!r} at delta={delta!r}, above "

@@ -4,16 +4,18 @@ Expected epsilons and noise multipliers come from ``tests/reference/accounting.j
 (computed independently with dp-accounting 0.6.0, PLD grid 1e-4), or from
 ``dp_accounting`` called directly in the test, never from dpfunc itself.
 
-dpfunc's PLD epsilon is the library's rounded up by 1e-7 relative (its own
-arithmetic, cached, differs from the library's by floating-point rounding), so
-PLD values are checked with :func:`assert_pld_matches`: never below the
-library's, and within 1e-6 of it for delta >= 1e-8.
+dpfunc's PLD epsilon is the library's, or its own composition with allowances
+for floating-point rounding (its own and the library's) that keep it above the
+library's; so PLD values are checked with :func:`assert_pld_matches`: never
+below the library's, and within the documented closeness above it
+(:func:`pld_rtol`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 
 import dp_accounting
@@ -33,12 +35,14 @@ def reference_cases(section: str) -> list:
     return [pytest.param(case, id=f"{section}{i}") for i, case in enumerate(REFERENCE[section])]
 
 
-PLD_RTOL = 1e-6  # dpfunc's PLD epsilon lies in [library, library * (1 + PLD_RTOL)]
+def pld_rtol(delta):
+    """How far above the library's PLD epsilon dpfunc's may be (the module docstring's bound)."""
+    return 1e-5 if delta >= 1e-6 else 1e-3 if delta >= 1e-8 else 3e-3 if delta >= 1e-10 else 5e-2
 
 
-def assert_pld_matches(got, library):
-    """``got`` is never below the library's PLD epsilon, and within PLD_RTOL above it."""
-    assert library <= got <= library * (1 + PLD_RTOL), (got, library)
+def assert_pld_matches(got, library, delta):
+    """``got`` is never below the library's PLD epsilon, and within ``pld_rtol(delta)`` above."""
+    assert library <= got <= library * (1 + pld_rtol(delta)), (got, library, delta)
 
 
 def library_epsilon(runs, delta, method):
@@ -71,7 +75,7 @@ def test_epsilon_matches_reference(case, method):
     )
     assert isinstance(got, float)
     if method == "pld":
-        assert_pld_matches(got, case[method])
+        assert_pld_matches(got, case[method], case["delta"])
     else:
         assert got == pytest.approx(case[method], rel=1e-9)
 
@@ -79,7 +83,7 @@ def test_epsilon_matches_reference(case, method):
 @pytest.mark.parametrize("case", reference_cases("epsilon"))
 def test_pld_is_default_and_tighter_than_rdp(case):
     args = (case["noise_multiplier"], case["sample_rate"], case["steps"], case["delta"])
-    assert_pld_matches(epsilon(*args), case["pld"])
+    assert_pld_matches(epsilon(*args), case["pld"], case["delta"])
     assert case["pld"] < case["rdp"]
 
 
@@ -154,7 +158,7 @@ def test_noise_schedule_composes_like_dp_accounting(method):
     assert acc.steps == 500
     got = acc.epsilon(delta)
     if method == "pld":
-        assert_pld_matches(got, library_epsilon([phase1, phase2], delta, method))
+        assert_pld_matches(got, library_epsilon([phase1, phase2], delta, method), delta)
     else:
         assert got == library_epsilon([phase1, phase2], delta, method)
     # Both phases count: more than either one alone.
@@ -357,7 +361,7 @@ def test_gradient_sum_and_private_count_compose_to_one_gaussian():
 
 
 def clear_caches():
-    accounting._runs_epsilon.cache_clear()
+    accounting._runs_result.cache_clear()
     accounting._step_losses.cache_clear()
     accounting._rdp_orders.cache_clear()
 
@@ -393,12 +397,10 @@ GRID = [(2.0, 0.1, 1), (1.2, 0.05, 300), (5.0, 1.0, 20), (0.9, 0.02, 800), (3.0,
 def test_pld_is_never_below_the_library_from_scratch(run):
     clear_caches()
     library = library_accountant([run], "pld")
-    for delta in (1e-3, 1e-5, 1e-8):
-        assert_pld_matches(epsilon(*run, delta), library.get_epsilon(delta))
-    # At a tiny delta the tail allowances (1e-15 of mass per run, at infinite loss) weigh
-    # more: still never below the library, and at most 1e-3 above it.
-    got, theirs = epsilon(*run, 1e-12), library.get_epsilon(1e-12)
-    assert theirs <= got <= theirs * (1 + 1e-3)
+    # At tiny deltas the allowances (tails and FFT rounding, counted as infinite loss)
+    # weigh more: still never below the library, within pld_rtol(delta) above it.
+    for delta in (1e-3, 1e-5, 1e-8, 1e-12):
+        assert_pld_matches(epsilon(*run, delta), library.get_epsilon(delta), delta)
 
 
 @pytest.mark.parametrize("method", ["pld", "rdp"])
@@ -411,7 +413,7 @@ def test_epoch_by_epoch_equals_the_library_from_scratch(method):
         acc.step(1.1, 0.03, steps=40)
         library = library_accountant([(1.1, 0.03, 40 * epoch)], method).get_epsilon(1e-5)
         if method == "pld":
-            assert_pld_matches(acc.epsilon(1e-5), library)
+            assert_pld_matches(acc.epsilon(1e-5), library, 1e-5)
         else:
             assert acc.epsilon(1e-5) == library  # RDP composes by addition: exactly
 
@@ -428,7 +430,7 @@ def test_histories_with_changed_noise_equal_the_library(method):
     library = library_accountant(runs, method)
     for delta in (1e-4, 1e-6):
         if method == "pld":
-            assert_pld_matches(acc.epsilon(delta), library.get_epsilon(delta))
+            assert_pld_matches(acc.epsilon(delta), library.get_epsilon(delta), delta)
         else:
             assert acc.epsilon(delta) == library.get_epsilon(delta)
 
@@ -440,7 +442,7 @@ def test_bands_account_their_participations(method):
     acc.step(1.3, 0.05, steps=90)  # ceil(90 / 4) = 23 participations
     library = library_accountant([(1.3, 0.05, 23)], method).get_epsilon(1e-5)
     if method == "pld":
-        assert_pld_matches(acc.epsilon(1e-5), library)
+        assert_pld_matches(acc.epsilon(1e-5), library, 1e-5)
     else:
         assert acc.epsilon(1e-5) == library
 
@@ -480,7 +482,7 @@ def test_caches_are_bounded():
     for sigma in np.linspace(2.0, 3.0, 12):
         epsilon(float(sigma), 0.2, 10, 1e-5)
     assert accounting._step_losses.cache_info().currsize <= 8
-    assert accounting._runs_epsilon.cache_info().maxsize == 256
+    assert accounting._runs_result.cache_info().maxsize == 256
     assert accounting._rdp_orders.cache_info().maxsize == 256
 
 
@@ -570,4 +572,158 @@ def test_a_tiny_delta_is_the_librarys_for_a_whole_history():
         acc.step(*run[:2], steps=run[2])
     # the accountant's history merges the equal runs: the library composes the same events
     assert acc.history == [(1.0, 1.0, 17), (5.0, 0.5, 73)]
-    assert acc.epsilon(1e-12) == library_accountant(acc.history, "pld").get_epsilon(1e-12)
+    library = library_accountant(acc.history, "pld").get_epsilon(1e-12)
+    assert_pld_matches(acc.epsilon(1e-12), library, 1e-12)
+
+
+# --------------------------------------------------------------------------
+# The promises of the issue "the accountant keeps its promises": never below the
+# library, calibration within 0.1%, an answer or a ValueError for extreme inputs
+# --------------------------------------------------------------------------
+
+# The issue's case, and the case where the fast composition alone came out furthest below
+# the library (1.1e-4 relative, measured) before it counted the library's FFT rounding:
+# long runs at sigma 5-6, q 0.05-0.3, delta <= 1e-8, just above the old hand-over.
+ROUNDING_CASES = [
+    (5.484793794906822, 0.05411646686238033, 43027, 3e-10),
+    (5.896852689894187, 0.11591444015684127, 44201, 1.2632738544639213e-10),
+]
+
+
+@pytest.mark.parametrize(("sigma", "rate", "steps", "delta"), ROUNDING_CASES)
+def test_long_runs_near_the_hand_over_are_never_below_the_library(sigma, rate, steps, delta):
+    clear_caches()
+    theirs = library_accountant([(sigma, rate, steps)], "pld").get_epsilon(delta)
+    assert_pld_matches(epsilon(sigma, rate, steps, delta), theirs, delta)
+    # the fast composition on its own (its allowance for the library's rounding), too
+    runs = ((sigma, rate, steps),)
+    fast = accounting._pld_epsilon(runs, delta, 1e-4, library=False)
+    assert theirs <= fast <= theirs * 1.01
+
+
+def random_cases(count, seed):
+    """Seeded ``(sigma, rate, steps, delta)``, cheap for the library (sigma >= 1, <= 2000 steps)."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for _ in range(count):
+        sigma = float(np.exp(rng.uniform(0.0, np.log(8.0))))
+        rate = 1.0 if rng.random() < 0.2 else float(np.exp(rng.uniform(np.log(0.005), 0.0)))
+        steps = int(np.exp(rng.uniform(0.0, np.log(2000))))
+        delta = float(np.exp(rng.uniform(np.log(1e-12), np.log(1e-4))))
+        cases.append(pytest.param(sigma, rate, steps, delta, id=f"{sigma:.3g}-{rate:.3g}-{steps}"))
+    return cases
+
+
+@pytest.mark.parametrize(("sigma", "rate", "steps", "delta"), random_cases(6, seed=7))
+def test_a_random_grid_is_never_below_the_library_from_scratch(sigma, rate, steps, delta):
+    """A CI-sized sample of bench/accounting.py's grid (240 cases, recorded in
+    bench/accounting.md): dpfunc's epsilon, and the fast composition alone, against the
+    library's PLDAccountant composed from scratch."""
+    clear_caches()
+    theirs = library_accountant([(sigma, rate, steps)], "pld").get_epsilon(delta)
+    assert_pld_matches(epsilon(sigma, rate, steps, delta), theirs, delta)
+    try:
+        fast = accounting._pld_epsilon(((sigma, rate, steps),), delta, 1e-4, library=False)
+    except accounting._Infeasible:  # the allowance reaches delta / 2: the library decides
+        return
+    assert fast >= theirs
+
+
+def test_calibration_is_within_0_1_percent_where_the_library_took_over():
+    # The old hand-over decided after the remove side: the early stop's lower bound came
+    # from the fast composition, the answer from the library (lower), and the returned
+    # sigma was 0.3% above the smallest that epsilon() accepted.
+    target, delta, rate, steps = 50.0, 1e-9, 0.001, 10000
+    sigma = calibrate_noise_multiplier(target, delta, rate, steps)
+    assert epsilon(sigma, rate, steps, delta) <= target
+    assert epsilon(sigma / 1.001, rate, steps, delta) > target
+
+
+def test_the_early_stop_of_calibration_is_a_lower_bound_of_what_epsilon_returns():
+    # Who decides is settled before either side is composed: the value with an early stop
+    # is either the one epsilon() returns or a lower bound on it above the target.
+    for sigma in (0.3196, 0.3199, 0.3202):
+        runs = ((sigma, 0.001, 10000),)
+        stopped = accounting._pld_epsilon(runs, 1e-9, 1e-4, above=50.0)
+        full = epsilon(sigma, 0.001, 10000, 1e-9)
+        assert stopped == full or 50.0 < stopped <= full
+
+
+@pytest.mark.parametrize("sigma", [0.01, 0.05])
+def test_small_noise_multipliers_answer_on_a_coarser_grid(sigma):
+    # The 1e-4 grid needs 6e7 (sigma 0.01) or 3.9e6 (0.05) points per step: a MemoryError
+    # and a run past 30 s before. A coarser grid's PLD bounds the 1e-4 grid's from above
+    # (connect-the-dots interpolates a convex curve through fewer of the same points).
+    clear_caches()
+    with pytest.warns(RuntimeWarning, match="coarser grid"):
+        got = epsilon(sigma, 0.01, 10, 1e-5)
+    assert 100 < got < epsilon(sigma, 0.01, 10, 1e-5, method="rdp")
+
+
+def test_a_coarser_grid_is_never_below_the_fine_one():
+    # Where the library can still answer (sigma 0.4: 1e5 points), every coarser grid that
+    # epsilon() may fall back to is at or above the 1e-4 grid's value.
+    runs, delta = ((0.4, 0.05, 5),), 1e-5
+    fine = library_accountant(runs, "pld").get_epsilon(delta)
+    coarse = [accounting._pld_epsilon(runs, delta, 1e-4 * 2**k, library=False) for k in (1, 3, 6)]
+    assert fine <= coarse[0] <= coarse[1] <= coarse[2] <= fine * 1.001
+
+
+@pytest.mark.parametrize("method", ["pld", "rdp"])
+def test_extreme_noise_multipliers_answer(method):
+    # sigma 1e-300 and 1e300 raised OverflowError ("cannot convert float infinity to integer")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # PLD: out of reach, the RDP bound
+        assert epsilon(1e-300, 0.01, 10, 1e-5, method=method) == math.inf
+        assert epsilon(1e-3, 0.01, 10, 1e-5, method=method) > 1e5
+    # more noise than 1e100 is accounted as 1e100 (epsilon only falls with more noise)
+    huge = epsilon(1e300, 0.01, 10, 1e-5, method=method)
+    assert huge == epsilon(1e100, 0.01, 10, 1e-5, method=method) == 0.0
+    assert epsilon(1e300, 1.0, 10**6, 1e-5, method=method) < 1e-3
+
+
+def test_sigma_near_zero_is_the_rdp_bound_with_a_warning():
+    with pytest.warns(RuntimeWarning, match="RDP upper bound"):
+        got = epsilon(1e-3, 0.01, 10, 1e-5)  # the 1e-4 grid would need 5e9 points
+    assert got == epsilon(1e-3, 0.01, 10, 1e-5, method="rdp")
+
+
+def test_extreme_rates_answer():
+    with pytest.warns(RuntimeWarning, match="RDP upper bound"):  # the library's loss fails
+        assert epsilon(1.0, 5e-324, 10, 1e-5) == 0.0
+    assert epsilon(1.0, 1e-300, 10, 1e-5) == 0.0
+
+
+def test_extreme_deltas_answer_or_name_delta():
+    # below the 2e-15 per run counted as infinite loss the PLD epsilon is inf (the library's
+    # is inf below its 1e-15): no composition is run
+    assert epsilon(1.0, 0.01, 1000, 1e-300) == epsilon(1.0, 0.01, 1000, 1e-15) == math.inf
+    assert epsilon(1.0, 0.01, 1000, 1e-300, method="rdp") < 100
+    assert epsilon(1.0, 0.01, 1000, 1 - 1e-16) == 0.0
+    # a delta within reach of the FFT's rounding, where the library would take long
+    with pytest.raises(ValueError, match=r"delta must be at least .* got delta=1e-13"):
+        epsilon(0.3, 0.01, 10000, 1e-13)
+
+
+@pytest.mark.parametrize("steps", [10**9, 10**30])
+def test_extreme_step_counts_are_the_rdp_bound_with_a_warning(steps):
+    with pytest.warns(RuntimeWarning, match="RDP upper bound"):
+        got = epsilon(1e4, 0.01, steps, 1e-5)
+    assert got == epsilon(1e4, 0.01, steps, 1e-5, method="rdp")
+
+
+def test_a_calibration_for_a_billion_steps_answers_with_the_rdp_bound():
+    # it ran past 30 s: the library raises a PMF size to the power 10**9 as an integer
+    with pytest.warns(RuntimeWarning, match="RDP upper bound"):
+        sigma = calibrate_noise_multiplier(1.0, 1e-5, 0.01, 10**9)
+    with pytest.warns(RuntimeWarning):
+        assert epsilon(sigma, 0.01, 10**9, 1e-5) <= 1.0
+    assert epsilon(sigma / 1.001, 0.01, 10**9, 1e-5, method="rdp") > 1.0
+
+
+def test_checked_epsilon_does_not_run_the_library_out_of_reach(monkeypatch):
+    acc = Accountant()
+    acc.step(0.01, 0.01, steps=10)
+    monkeypatch.setattr(accounting, "_library_epsilon", None)  # would fail if called
+    with pytest.warns(RuntimeWarning, match="coarser grid"):
+        assert acc.checked_epsilon(1e-5) == acc.epsilon(1e-5)
