@@ -230,7 +230,7 @@ class Checkpoint:
         _checkpoint.check_path(path)
         if every is not None:
             check_int("checkpoint_every", every, minimum=1)
-        self.path = path
+        self.path = os.path.abspath(path)  # the same file after a chdir
         self.every = every
         self._saved_at: int | None = None
 

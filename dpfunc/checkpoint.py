@@ -192,6 +192,13 @@ def _release(trainer: Any, path: str | os.PathLike) -> None:
         handle.close()
 
 
+def release_all(trainer: Any) -> None:
+    """Lets go of every checkpoint path ``trainer`` holds (:func:`hold`); it may save no more."""
+    for handle in trainer.__dict__.pop("_checkpoint_locks", {}).values():
+        if handle is not None:
+            handle.close()
+
+
 def _lock(trainer: Any, path: str | os.PathLike) -> bool:
     locks = trainer.__dict__.setdefault("_checkpoint_locks", {})
     key = os.path.realpath(path)
@@ -217,8 +224,8 @@ def _lock(trainer: Any, path: str | os.PathLike) -> bool:
         raise ValueError(
             f"checkpoint_path={os.fspath(path)!r} is held by another live run (a Trainer in "
             "this or another process): two runs on one path would overwrite each other's "
-            "record of accounted steps. Give this run another path, or finish the other one "
-            "(del trainer) and build this one again to resume it"
+            "record of accounted steps. Give this run another path, or end the other one "
+            "(trainer.close(), or del trainer) and build this one again to resume it"
         ) from error
     locks[key] = handle
     return True
@@ -271,6 +278,13 @@ def _check_overwrite(trainer: Any, path: str | os.PathLike) -> None:
             "checkpoint; it is not overwritten. Give another path, or remove it yourself"
         ) from error
     mine = trainer.plan.lineage
+    if lineage is not None and lineage == mine[: len(lineage)] and steps > trainer.steps_done:
+        raise ValueError(
+            f"checkpoint_path={os.fspath(path)!r} holds {steps} accounted steps of this run's "
+            f"line, more than the {trainer.steps_done} this run has done (it continued an "
+            "earlier copy): saving would erase the record of steps already released. Give "
+            "this run another path"
+        )
     if lineage is None or lineage != mine[: len(lineage)]:
         raise ValueError(
             f"checkpoint_path={os.fspath(path)!r} holds another run's checkpoint ({steps} "

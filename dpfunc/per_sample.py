@@ -396,6 +396,11 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def _squeezed(example: list, k: int) -> list:
+    """``example`` with leaf ``k``'s trailing dimension of size 1 dropped."""
+    return [x.squeeze(-1) if j == k else x for j, x in enumerate(example)]
+
+
 def _conversion(dtype: torch.dtype) -> str:
     """The method call that converts a tensor or a module to ``dtype``: ``.double()``."""
     method = _CONVERT.get(dtype)
@@ -422,6 +427,13 @@ def explain_example_error(
       naming the leaf and the conversion (``x.float()``);
     - floating labels where the loss needs class indices: a ``TypeError``
       naming the leaf and ``y.long()``;
+    - integer labels of another dtype than int64 (int32, numpy's int32 on
+      Windows or from ``astype``) where the loss needs int64 class indices: a
+      ``TypeError`` naming the leaf and ``y.long()`` / ``y.astype(np.int64)``;
+    - labels of shape ``(n, 1)`` where the loss needs one index per example,
+      ``(n,)``: a ``ValueError`` naming the leaf and ``y.squeeze(1)`` /
+      ``y.view(-1)`` (tried as each example's trailing dimension of size 1
+      dropped);
     - an index out of range (a class label outside ``[0, classes)``, a token
       id past an embedding): a ``ValueError`` saying so and how to check.
 
@@ -513,6 +525,36 @@ def _diagnose(loss_fn, params, batch, mask, error) -> Exception | None:
                 f"batch leaf {where[k]} holds {_name(x.dtype)} values where "
                 "loss_fn needs integers (class labels: F.cross_entropy and F.nll_loss take int64 "
                 f"class indices): convert them (y.long() when building the dataset). {said}"
+            )
+    for k in tensors:
+        x = example[k]
+        if (
+            not (x.is_floating_point() or x.is_complex())
+            and x.dtype != torch.int64
+            and run(converted([k], torch.int64)) is None
+        ):
+            return TypeError(
+                f"batch leaf {where[k]} is {_name(x.dtype)} where loss_fn needs int64 class "
+                "indices (F.cross_entropy and F.nll_loss take int64 labels): convert them "
+                "(y.long(), or y.astype(np.int64) for a numpy array, when building the "
+                f"dataset). {said}"
+            )
+    for k in tensors:
+        x = example[k]
+        if (
+            not (x.is_floating_point() or x.is_complex())
+            and x.dim()
+            and x.shape[-1] == 1
+            and run(_squeezed(example, k)) is None
+        ):
+            one = x.dim() == 1  # the dataset's labels are (n, 1)
+            shape, want = (f"({', '.join(['n', *map(str, d)])})" for d in (x.shape, x.shape[:-1]))
+            fix = "y.squeeze(1) or y.view(-1); numpy: y.reshape(-1)" if one else "y.squeeze(-1)"
+            return ValueError(
+                f"batch leaf {where[k]} has shape {shape} where loss_fn needs class indices of "
+                f"shape {'(n,), one per example' if one else want} (F.cross_entropy and "
+                "F.nll_loss read a trailing dimension of 1 as several targets per example): "
+                f"drop that dimension when building the dataset ({fix}). {said}"
             )
     text = str(failure)
     if isinstance(failure, IndexError) or "out of bounds" in text or "out of range" in text:

@@ -64,7 +64,6 @@ import optree
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import checkpoint as _checkpoint
 from . import optim
@@ -207,9 +206,11 @@ class PrivateGradients(PlannedRun):
         self._yielded_versions: list[tuple[int, int]] = []  # its tensors (id, version) then
         self._written: dict[str, Tensor] = {}  # the private gradient each p.grad must be
         self._applied = True  # an optimizer stepped the last private gradient (or none yet)
+        self._tainted: set[str] = set()  # written gradients autograd has added to since
         self._released = 0  # private gradients this object wrote (loading one's own: refused)
         self._in_backward = False
-        _guard(self)
+        self._closed = False
+        self._guard = _Guard(self)
 
     def batches(self, steps: int | None = None) -> Iterator[LogicalBatch]:
         """Yields the next logical batches, from step :attr:`steps_done` on.
@@ -284,9 +285,13 @@ class PrivateGradients(PlannedRun):
                 f"batch is step {batch.step}'s, but the next step is {t}: each logical batch is "
                 "released once, in order (take batches from batches())"
             )
+        if self._closed:
+            raise RuntimeError("this PrivateGradients is closed (close()): build a new one")
         self._check_yielded(batch, t)
         self.plan.check_next_step(t)
         params = self._live_params()
+        if not self._released:
+            self._check_first_step(params)
         self._clear_frozen()
         self._warn_unapplied(t)
         state = self._state_for(params)
@@ -303,8 +308,9 @@ class PrivateGradients(PlannedRun):
         for name, p in self._trainable:
             p.grad = _like(p, private[name].to(p.dtype))
             self._written[name] = p.grad
-        self._applied = False
+        self._applied, self._tainted = False, set()
         self._released += 1
+        _TRAINED[self.model] = (list(self.plan.lineage), self._released, self.accountant)
         self.state = state._replace(params=params)
         self._issued = self._yielded = None
         return metrics
@@ -369,15 +375,69 @@ class PrivateGradients(PlannedRun):
                 stacklevel=3,
             )
 
+    def close(self) -> None:
+        """Ends the run: the model's ``.grad`` is no longer guarded; accounting stays readable.
+
+        After it, :meth:`backward` is refused, while :meth:`epsilon`,
+        :meth:`privacy_report` and :meth:`state_dict` still answer. Call it
+        before using the model outside DP-SGD (public fine-tuning,
+        adversarial examples); what that training releases is not covered
+        by this run's epsilon. Collecting the object has the same effect.
+        """
+        self._closed = True
+        self._guard.remove()
+
+    def _check_first_step(self, params: Params) -> None:
+        """Before the first release: no outside tensor trains, and the model's record is ours.
+
+        A loss that still requires grad with every trainable parameter
+        detached reads a tensor outside the model that requires grad (a
+        head or a temperature the optimizer also holds): it would be
+        trained by autograd, never privately. And a model that another run
+        already trained in this process (not one this run continues) holds
+        steps this run's epsilon does not count.
+        """
+        batch, mask = self._issued[0] if self._issued else (None, None)
+        if batch is not None and bool(mask.any()):
+            row = int(mask.nonzero()[0])
+            example = optree.tree_map(lambda leaf: leaf[row] if isinstance(leaf, Tensor) else leaf,
+                                      batch)  # fmt: skip
+            try:
+                with torch.enable_grad():
+                    loss = self.step_fn.loss_fn(dict(params), example)
+            except Exception:  # the step itself raises it, explained
+                loss = None
+            if isinstance(loss, Tensor) and loss.requires_grad:
+                raise ValueError(
+                    "loss_fn reads a tensor that requires grad but is not a trainable parameter "
+                    "of model (a head, an embedding or a temperature kept outside it): autograd "
+                    "would train it on the data without clipping or noise. Make it a submodule "
+                    "or parameter of model, or freeze it (requires_grad_(False))"
+                )
+        saved = _TRAINED.get(self.model)
+        if saved is not None:
+            lineage, released, accountant = saved
+            if lineage != self.plan.lineage[: len(lineage)]:
+                warnings.warn(
+                    f"this model has already received {released} private gradients from "
+                    f"another run (epsilon {accountant.epsilon(self.delta):.4g} at delta "
+                    f"{self.delta:g}), "
+                    "which this run does not continue: its epsilon does not count them, and what "
+                    "the model releases composes both runs' epsilons. To continue that run, "
+                    "load its state_dict into this one before the first backward",
+                    stacklevel=4,
+                )
+
     def _pending(self, name: str, p: Tensor) -> bool:
-        """Whether ``p.grad`` holds the private gradient of the last backward (not yet cleared)."""
+        """Whether ``p.grad`` is the private gradient of the last backward, as written."""
         written = self._written.get(name)
-        return written is not None and p.grad is written
+        return written is not None and p.grad is written and name not in self._tainted
 
     def _foreign_grad(self, p: Tensor, name: str | None) -> str | None:
         """Why ``p.grad`` must not be stepped, or ``None`` (an optimizer's pre-step check).
 
-        ``name``: ``p``'s name if it is trainable here, ``None`` for a frozen one.
+        ``name``: ``p``'s name if it was trainable when this run was built,
+        ``None`` if it was frozen.
         """
         if p.grad is None:
             return None
@@ -386,17 +446,23 @@ class PrivateGradients(PlannedRun):
                 return None
             return (
                 f"the .grad of trainable parameter {name!r} is not the private gradient "
-                "PrivateGradients.backward wrote (autograd's, after zero_grad, or one set by "
-                "hand): stepping it would train on the data without clipping or noise. Call "
-                "private.backward(batch) after any loss.backward(), then optimizer.step()"
+                "PrivateGradients.backward wrote (autograd's, after or before zero_grad, or one "
+                "set by hand): stepping it would train on the data without clipping or noise. "
+                "Call private.backward(batch) after any loss.backward(), then optimizer.step(); "
+                "to train outside DP-SGD, call private.close() first"
             )
-        if not p.requires_grad:
+        if p.requires_grad:
             return (
-                "a frozen parameter of the model holds a .grad that PrivateGradients did not "
-                "write: stepping it would move the parameter by a non-private gradient. Clear "
-                "it (p.grad = None) or call private.backward(batch), which clears it"
+                "a parameter of the model that was frozen when PrivateGradients was built is "
+                "trainable now and holds a gradient PrivateGradients never wrote (gradual "
+                "unfreezing): stepping it would train it without clipping or noise. Build "
+                "PrivateGradients and the optimizer again after changing requires_grad"
             )
-        return None
+        return (
+            "a frozen parameter of the model holds a .grad that PrivateGradients did not "
+            "write: stepping it would move the parameter by a non-private gradient. Clear "
+            "it (p.grad = None) or call private.backward(batch), which clears it"
+        )
 
     def full_params(self) -> Params:
         """The model's whole trainable parameters now (detached; sharded: gathered, collective)."""
@@ -523,58 +589,75 @@ def _tensors(tree: Any) -> list[Tensor]:
 
 # ------------------------------------------------------------------ p.grad belongs to the step
 
-# parameter -> (its run, held weakly; its name if trainable there, else None)
-_GUARDED = WeakIdKeyDictionary()
-_GUARD_LOCK = threading.Lock()
+# id(parameter) -> (its run, held weakly; its name if trainable there, else None). Ids, not
+# weak references to the parameters (torch.utils.swap_tensors refuses tensors that have
+# one); a live run holds its model's parameters, so their ids stay theirs while it lives.
+_GUARDED: dict[int, tuple[Any, str | None]] = {}
+_GUARD_LOCK = threading.RLock()  # re-entered when a collection runs a finalizer inside it
 _OPTIMIZER_HOOK: list[Any] = []  # the handle of the one global optimizer pre-step hook
+# model -> (the lineage of the run that last wrote its gradients, the gradients it wrote, its
+# accountant): a record that outlives the run, so that a new run on a trained model is told
+# what its epsilon does not count
+_TRAINED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _guard(private: PrivateGradients) -> None:
-    """Guards the ``.grad`` of ``private``'s model (see the module docstring).
+class _Guard:
+    """Guards the ``.grad`` of a run's model until :meth:`remove` or the run is collected.
 
     Each trainable parameter gets a tensor hook that refuses an autograd
-    gradient while it holds an unapplied private gradient; every
+    gradient while it holds the private gradient not yet applied (once an
+    optimizer applied it, the gradient is let through and marked, so the
+    next step is refused until ``backward`` writes again); every
     ``torch.optim`` optimizer gets one pre-step check (registered once,
-    globally) of the parameters of live ``PrivateGradients``. Both hold
-    the run weakly: a collected run guards nothing.
+    globally) of the parameters of live runs. Both hold the run weakly.
     """
-    run = weakref.ref(private)
-    with _GUARD_LOCK:
-        others = {
-            id(other): other
-            for p in private.model.parameters()
-            if (other := _GUARDED.get(p, (lambda: None, None))[0]()) is not None and other._released
-        }
-        for other in others.values():
-            warnings.warn(
-                f"this model has already received {other._released} private gradients from "
-                f"another live PrivateGradients (epsilon {other.epsilon():.4g} at delta "
-                f"{other.delta:g}): the epsilon of this new run does not count them. What the "
-                "model releases composes both runs' epsilons; to continue one run, resume its "
-                "state_dict instead of starting a new one",
-                stacklevel=4,
-            )
-        for p in private.model.parameters():
-            _GUARDED[p] = (run, None)
-        for name, p in private._trainable:
-            p.register_hook(_refuse_autograd(run, name, weakref.ref(p)))
-            _GUARDED[p] = (run, name)
-        if not _OPTIMIZER_HOOK:
-            _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_before_step))
+
+    def __init__(self, private: PrivateGradients):
+        run = weakref.ref(private)
+        self.params = list(private.model.parameters())  # their ids stay theirs
+        with _GUARD_LOCK:
+            for key in [k for k, (r, _) in list(_GUARDED.items()) if r() is None]:
+                _GUARDED.pop(key, None)
+            for p in self.params:
+                _GUARDED[id(p)] = (run, None)
+            names = dict(private._trainable)
+            for name, p in names.items():
+                _GUARDED[id(p)] = (run, name)
+            self.handles = [p.register_hook(_autograd_check(run, name, names))
+                            for name, p in names.items()]  # fmt: skip
+            if not _OPTIMIZER_HOOK:
+                _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_before_step))
+        self._finalizer = weakref.finalize(private, _Guard._release, self.handles, self.params, run)
+
+    def remove(self) -> None:
+        self._finalizer()
+
+    @staticmethod
+    def _release(handles: list[Any], params: list[Tensor], run: Any) -> None:
+        for handle in handles:
+            handle.remove()
+        with _GUARD_LOCK:
+            for p in params:
+                if _GUARDED.get(id(p), (None,))[0] is run:
+                    _GUARDED.pop(id(p), None)
+        params.clear()
 
 
-def _refuse_autograd(run: Any, name: str, parameter: Any) -> Any:
+def _autograd_check(run: Any, name: str, names: dict[str, Tensor]) -> Any:
     def hook(grad: Tensor) -> None:
-        private, p = run(), parameter()
-        if private is None or p is None or private._in_backward or not private._pending(name, p):
+        private = run()
+        if private is None or private._in_backward or not private._pending(name, names[name]):
+            return
+        if private._applied:  # already stepped: autograd may add to it, but it is not stepped
+            private._tainted.add(name)
             return
         raise RuntimeError(
             f"autograd computed a gradient for {name!r}, whose .grad holds the private gradient "
-            f"of step {private.steps_done - 1} not yet applied: a loss.backward() between "
+            f"of step {private.steps_done - 1}, not yet applied: a loss.backward() between "
             "private.backward(batch) and optimizer.step() would add a non-private gradient to it "
-            "(in Opacus, step() replaced it; here nothing may). Call loss.backward() before "
-            "private.backward(batch), or after optimizer.zero_grad(); for a loss you only log, "
-            "compute it under torch.no_grad()"
+            "(in Opacus, step() replaced it; here nothing may). Compute a loss you only log "
+            "under torch.no_grad(), or call loss.backward() before private.backward(batch); to "
+            "train outside DP-SGD, call private.close() first"
         )
 
     return hook
@@ -584,9 +667,9 @@ def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     """Refuses an optimizer step that would apply a gradient the private step did not write."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            run, name = _GUARDED.get(p, (None, None))
+            run, name = _GUARDED.get(id(p), (None, None))
             private = run() if run is not None else None
-            if private is None:
+            if private is None:  # (a live run holds p: the id is p's own)
                 continue
             if (why := private._foreign_grad(p, name)) is not None:
                 raise RuntimeError(f"{type(optimizer).__name__}.step() refused: {why}")

@@ -158,9 +158,14 @@ class Trainer(PlannedRun):
         self.accountant = config.accountant()
         self.history: list[dict[str, float]] = []
         self.stop_training = False  # a callback sets it to stop fit (see dpfunc.callbacks)
+        self._closed = False
         self._noise = NoiseAhead(self.step_fn)  # the same on every rank, drawn ahead
         self.callbacks = before + user_callbacks + after
-        run_hook(self.callbacks, "on_init", self)
+        try:
+            run_hook(self.callbacks, "on_init", self)
+        except BaseException:  # a refused resume: the path stays free for the corrected run
+            _checkpoint.release_all(self)
+            raise
 
     params = property(lambda self: self.state.params)  # sharded: this rank's rows
 
@@ -182,6 +187,7 @@ class Trainer(PlannedRun):
             FloatingPointError: non-finite examples (see ``nonfinite``);
                 nothing of the step is released then.
         """
+        self._check_open()
         t = self.steps_done
         self.plan.check_next_step(t)
         if int(self.state.step) != t:
@@ -247,7 +253,26 @@ class Trainer(PlannedRun):
         secret seed, with which anyone can remove the noise from every
         update it saw. Distributed: collective, rank 0 writes.
         """
+        self._check_open()
         _checkpoint.save(self, path)
+
+    def close(self) -> None:
+        """Lets go of the checkpoint paths this trainer holds; it may train and save no more.
+
+        A path is held from the trainer's first save (or its construction
+        with ``checkpoint_path``) until ``close()`` or the trainer is
+        collected, so that no second live run writes it. Close a trainer
+        that a notebook keeps alive (an interrupted ``fit``, a cell run
+        again) before building the next one on the same path. Epsilon and
+        the report stay readable.
+        """
+        _checkpoint.release_all(self)
+        self.stop_training = True
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Trainer is closed (close()): build a new one to go on")
 
     def load(self, path: str | os.PathLike) -> None:
         """Restores a checkpoint of an identically set-up run (:func:`dpfunc.checkpoint.load`).

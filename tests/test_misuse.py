@@ -76,7 +76,7 @@ def test_a_later_loss_backward_is_refused_before_it_reaches_the_private_gradient
     assert grad_norm(model) <= bound * (1 + 1e-6)
     x, y = data()
     loss = F.cross_entropy(model(x[:8]), y[:8])
-    with pytest.raises(RuntimeError, match="before private.backward.*or after optimizer.zero_grad"):
+    with pytest.raises(RuntimeError, match="under torch.no_grad.*before private.backward"):
         loss.backward()
     for name, p in model.named_parameters():  # nothing was added
         assert torch.equal(p.grad, written[name]), name
@@ -193,11 +193,11 @@ def test_two_trainers_resuming_one_checkpoint_draw_their_own_noise(tmp_path, tin
 
 def make_trainer(tiny_problem, **options):
     loss_fn, params, dataset, _ = tiny_problem(60)
-    return dpfunc.Trainer(
-        loss_fn, params, dataset, optimizer=dpfunc.optim.sgd(lr=0.5), epochs=2,
-        expected_batch_size=10, clip_norm=1.0, noise_multiplier=1.0, delta=1e-5,
-        progress=False, **options,
+    settings = dict(
+        optimizer=dpfunc.optim.sgd(lr=0.5), epochs=2, expected_batch_size=10, clip_norm=1.0,
+        noise_multiplier=1.0, delta=1e-5, progress=False,
     )  # fmt: skip
+    return dpfunc.Trainer(loss_fn, params, dataset, **{**settings, **options})
 
 
 def test_a_second_run_on_a_live_path_is_refused_before_any_step(tmp_path, tiny_problem):
@@ -391,7 +391,156 @@ def test_loading_into_a_run_that_already_wrote_gradients_is_refused():
 
 def test_a_second_run_on_a_trained_model_says_its_epsilon_does_not_count_the_first():
     model = mlp()
+
+    def train_once():  # a helper that builds its run inside: the run is gone after it
+        private = private_for(model, noise_multiplier=1.0)
+        private.backward(next(private.batches(1)))
+        return private.state_dict()
+
+    saved = train_once()
+    gc.collect()
+    with pytest.warns(UserWarning, match="already received 1 private gradients"):
+        train_once()
+    resumed = private_for(model, noise_multiplier=1.0)  # continues the last run: no warning
+    resumed.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        # the record is of the second run, which resumed does not continue
+        with pytest.raises(UserWarning, match="already received"):
+            resumed.backward(next(resumed.batches(1)))
+
+
+def test_a_continuation_of_the_run_that_trained_the_model_is_not_warned():
+    model = mlp()
     first = private_for(model, noise_multiplier=1.0)
     first.backward(next(first.batches(1)))
-    with pytest.warns(UserWarning, match="already received 1 private gradients"):
-        private_for(model, noise_multiplier=1.0)
+    saved = first.state_dict()
+    resumed = private_for(model, noise_multiplier=1.0)
+    resumed.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.backward(next(resumed.batches(1)))
+
+
+def test_autograd_after_the_step_is_let_through_but_never_stepped():
+    """zero_grad at the top of the loop, then an adversarial-example pass after it."""
+    model = mlp()
+    private = private_for(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+    for batch in private.batches(2):
+        optimizer.zero_grad(set_to_none=False)
+        F.cross_entropy(model(x), y).backward()  # overwritten by the private gradient
+        private.backward(batch)
+        optimizer.step()
+    F.cross_entropy(model(x), y).backward()  # e.g. FGSM: allowed, the step was applied
+    with pytest.raises(RuntimeError, match="not the private gradient"):
+        optimizer.step()
+
+
+def test_a_parameter_unfrozen_after_the_run_was_built_is_not_stepped():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    private = private_for(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    private.backward(next(private.batches(1)))
+    optimizer.step()
+    optimizer.zero_grad()
+    model[0].weight.requires_grad_(True)  # gradual unfreezing
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="frozen when PrivateGradients was built"):
+        optimizer.step()
+
+
+def test_close_ends_the_guard_and_keeps_the_accounting():
+    model = mlp()
+    private = private_for(model, noise_multiplier=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    private.backward(next(private.batches(1)))
+    optimizer.step()
+    epsilon = private.epsilon()
+    private.close()
+    x, y = data()
+    F.cross_entropy(model(x), y).backward()  # public fine-tuning, say
+    optimizer.step()
+    assert private.epsilon() == epsilon > 0
+    with pytest.raises(RuntimeError, match="closed"):
+        private.backward(next(private.batches(1)))
+
+
+def test_a_model_once_guarded_converts_with_swapped_tensors():
+    model = mlp()
+    private = private_for(model)
+    private.backward(next(private.batches(1)))
+    del private
+    gc.collect()
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.double()  # swap_tensors refuses a parameter that has a weak reference
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert model[0].weight.dtype == torch.float64
+
+
+def test_a_trainable_tensor_outside_the_model_is_refused():
+    model = mlp()
+    temperature = torch.ones((), requires_grad=True)  # the optimizer holds it too
+
+    def loss_fn(params, example):
+        x, y = example
+        out = functional_call(model, params, (x[None],)) / temperature
+        return F.cross_entropy(out, y[None])
+
+    private = dpfunc.PrivateGradients(
+        model, loss_fn, data(), expected_batch_size=EXPECTED, clip_norm=CLIP,
+        noise_multiplier=1.0, delta=1e-5, epochs=1, method="vmap",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="requires grad but is not a trainable parameter"):
+        private.backward(next(private.batches(1)))
+    assert private.steps_done == 0
+
+
+def test_a_rollback_to_an_earlier_copy_never_overwrites_the_longer_record(tmp_path, tiny_problem):
+    path, copy = tmp_path / "run.pt", tmp_path / "copy.pt"
+    a = make_trainer(tiny_problem)
+    a.fit(max_steps=2)
+    a.save(copy)
+    a.fit(max_steps=4)
+    a.save(path)
+    a.close()
+    rolled = make_trainer(tiny_problem)
+    rolled.load(copy)
+    rolled.fit(max_steps=1)  # 3 steps, on the line of the 6 saved at path
+    with pytest.raises(ValueError, match="holds 6 accounted steps of this run's line"):
+        rolled.save(path)
+
+
+def test_a_refused_resume_and_close_leave_the_path_free(tmp_path, tiny_problem):
+    path = tmp_path / "run.pt"
+    a = make_trainer(tiny_problem, checkpoint_path=path)
+    a.fit(max_steps=2)
+    a.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        a.fit(max_steps=1)
+    with pytest.raises(RuntimeError, match="closed"):
+        a.save(path)
+    with pytest.raises(ValueError, match="other settings"):
+        make_trainer(tiny_problem, checkpoint_path=path, clip_norm=2.0)  # its traceback lives
+    with pytest.warns(UserWarning, match="resumed"):
+        make_trainer(tiny_problem, checkpoint_path=path)  # the corrected cell
+
+
+def test_a_relative_checkpoint_path_stays_the_same_file_after_chdir(tmp_path, tiny_problem):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    here = os.getcwd()
+    os.chdir(tmp_path / "a")
+    try:
+        t = make_trainer(tiny_problem, checkpoint_path="run.pt")
+        os.chdir(tmp_path / "b")
+        t.fit(max_steps=2)
+    finally:
+        os.chdir(here)
+    assert (tmp_path / "a" / "run.pt").exists() and not (tmp_path / "b" / "run.pt").exists()
