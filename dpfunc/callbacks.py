@@ -60,6 +60,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm.auto import tqdm
@@ -230,7 +231,8 @@ class Checkpoint:
         _checkpoint.check_path(path)
         if every is not None:
             check_int("checkpoint_every", every, minimum=1)
-        self.path = os.path.abspath(path)  # the same file after a chdir
+        # the same file after a chdir, in the caller's type (str or a Path)
+        self.path = type(path)(os.path.abspath(path)) if isinstance(path, str | Path) else path
         self.every = every
         self._saved_at: int | None = None
 

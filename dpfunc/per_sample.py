@@ -495,12 +495,9 @@ def _diagnose(loss_fn, params, batch, mask, error) -> Exception | None:
     floating = {p.dtype for p in params.values() if p.dtype.is_floating_point}
     model = next(iter(floating)) if len(floating) == 1 else None
 
-    def converted(ks, dtype):
-        return [x.to(dtype) if k in ks else x for k, x in enumerate(example)]
-
     if model is not None:
         other = [k for k in tensors if example[k].is_floating_point() and example[k].dtype != model]
-        if other and run(converted(other, model)) is None:
+        if other and run(_converted(example, other, model)) is None:
             data = sorted({_name(example[k].dtype) for k in other})
             return TypeError(
                 f"the data is {', '.join(data)} but the model's parameters are {_name(model)}: "
@@ -511,16 +508,39 @@ def _diagnose(loss_fn, params, batch, mask, error) -> Exception | None:
             )
         for k in tensors:
             x = example[k]
-            if not (x.is_floating_point() or x.is_complex()) and run(converted([k], model)) is None:
+            numeric = not (x.is_floating_point() or x.is_complex())
+            if numeric and run(_converted(example, [k], model)) is None:
                 return TypeError(
                     f"batch leaf {where[k]} is {_name(x.dtype)}, but the model computes with it "
                     f"in {_name(model)}: convert it to floating point (x{_conversion(model)} "
                     "when building the dataset; integer data is for class labels and token "
                     f"ids). {said}"
                 )
+    labels = _label_fix(example, tensors, where, run, said)
+    if labels is not None:
+        return labels
+    text = str(failure)
+    if isinstance(failure, IndexError) or "out of bounds" in text or "out of range" in text:
+        return ValueError(
+            f"an index in the data is out of range: {said}. Most often a class label lies "
+            "outside [0, number of classes) (F.cross_entropy, F.nll_loss) or a token id at or "
+            "past an nn.Embedding's num_embeddings: check the data's range against the model "
+            "(labels: 0 <= y.min() and y.max() < the model's number of outputs), or give the "
+            "model as many outputs (embeddings) as the data has classes (ids)"
+        )
+    return None
+
+
+def _converted(example: list, ks: list[int], dtype: torch.dtype) -> list:
+    """``example``'s leaves with those at ``ks`` converted to ``dtype``."""
+    return [x.to(dtype) if k in ks else x for k, x in enumerate(example)]
+
+
+def _label_fix(example: list, tensors: list[int], where: list[str], run, said: str):
+    """The error naming a label fix that makes ``run`` pass (float, int32, ``(n, 1)``), or None."""
     for k in tensors:
         x = example[k]
-        if x.is_floating_point() and run(converted([k], torch.int64)) is None:
+        if x.is_floating_point() and run(_converted(example, [k], torch.int64)) is None:
             return TypeError(
                 f"batch leaf {where[k]} holds {_name(x.dtype)} values where "
                 "loss_fn needs integers (class labels: F.cross_entropy and F.nll_loss take int64 "
@@ -531,7 +551,7 @@ def _diagnose(loss_fn, params, batch, mask, error) -> Exception | None:
         if (
             not (x.is_floating_point() or x.is_complex())
             and x.dtype != torch.int64
-            and run(converted([k], torch.int64)) is None
+            and run(_converted(example, [k], torch.int64)) is None
         ):
             return TypeError(
                 f"batch leaf {where[k]} is {_name(x.dtype)} where loss_fn needs int64 class "
@@ -556,15 +576,6 @@ def _diagnose(loss_fn, params, batch, mask, error) -> Exception | None:
                 "F.nll_loss read a trailing dimension of 1 as several targets per example): "
                 f"drop that dimension when building the dataset ({fix}). {said}"
             )
-    text = str(failure)
-    if isinstance(failure, IndexError) or "out of bounds" in text or "out of range" in text:
-        return ValueError(
-            f"an index in the data is out of range: {said}. Most often a class label lies "
-            "outside [0, number of classes) (F.cross_entropy, F.nll_loss) or a token id at or "
-            "past an nn.Embedding's num_embeddings: check the data's range against the model "
-            "(labels: 0 <= y.min() and y.max() < the model's number of outputs), or give the "
-            "model as many outputs (embeddings) as the data has classes (ids)"
-        )
     return None
 
 

@@ -397,14 +397,15 @@ class PrivateGradients(PlannedRun):
         already trained in this process (not one this run continues) holds
         steps this run's epsilon does not count.
         """
-        batch, mask = self._issued[0] if self._issued else (None, None)
-        if batch is not None and bool(mask.any()):
-            row = int(mask.nonzero()[0])
-            example = optree.tree_map(lambda leaf: leaf[row] if isinstance(leaf, Tensor) else leaf,
+        if self._issued:  # the same count on every rank: the gather below is collective
+            batch = self._issued[0][0]  # row 0, real or padding: the answer is not the data's
+            example = optree.tree_map(lambda leaf: leaf[0] if isinstance(leaf, Tensor) else leaf,
                                       batch)  # fmt: skip
+            sharded = self.step_fn.sharded
+            whole = self.step_fn.full_params(self._state_for(params)) if sharded else params
             try:
-                with torch.enable_grad():
-                    loss = self.step_fn.loss_fn(dict(params), example)
+                with torch.enable_grad(), fsdp_hooks_off(self.model) if sharded else nullcontext():
+                    loss = self.step_fn.loss_fn(dict(whole), example)
             except Exception:  # the step itself raises it, explained
                 loss = None
             if isinstance(loss, Tensor) and loss.requires_grad:
