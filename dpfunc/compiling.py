@@ -61,6 +61,8 @@ def dynamo_settings() -> dict[str, Any]:
     """The Dynamo settings dpfunc compiles under (see the module docstring)."""
     methods = {getattr(logging.Logger, name, None) for name in QUIET_LOGGER_METHODS}
     methods.discard(None)
+    if not hasattr(torch._dynamo.config, "ignore_logger_methods"):  # an older torch
+        return {"allow_rnn": True}
     return {"allow_rnn": True, "ignore_logger_methods": methods}
 
 

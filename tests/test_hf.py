@@ -9,14 +9,17 @@ each (marked heavy: minutes of compiling, run by ``make test-heavy``).
 import math
 import warnings
 
-import peft
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from torch.func import functional_call
 
 import dpfunc
+
+peft = pytest.importorskip("peft", reason="needs the 'hf' extra (peft is not installed)")
+transformers = pytest.importorskip(
+    "transformers", reason="needs the 'hf' extra (transformers is not installed)"
+)
 
 B, T, VOCAB = 4, 10, 50
 

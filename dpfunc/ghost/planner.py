@@ -268,10 +268,14 @@ def matmul_precision() -> tuple[str, str, str]:
         legacy = torch.get_float32_matmul_precision()
     except RuntimeError:  # torch refuses the legacy getter once a backend flag was set
         legacy = "mixed"
+    # an older torch has no per-backend flags: its global one then rules oneDNN too
+    fallback = "ieee" if legacy == "highest" else legacy
+    cuda = getattr(torch.backends.cuda, "matmul", None)
+    cpu = getattr(torch.backends.mkldnn, "matmul", None)
     return (
         legacy,
-        getattr(torch.backends.cuda.matmul, "fp32_precision", "none"),
-        getattr(torch.backends.mkldnn.matmul, "fp32_precision", "none"),
+        getattr(cuda, "fp32_precision", "none"),
+        getattr(cpu, "fp32_precision", fallback),
     )
 
 
