@@ -97,7 +97,7 @@ from . import optim
 from .config import DPConfig, config_from
 from .noise import SECRET_BITS, secret_seed
 from .per_sample import LossFn
-from .sharding import Sharding, check_elementwise
+from .sharding import Sharding, check_elementwise, require_fsdp2
 from .step import Collectives, ExampleStats, TrainStep
 from .tree import Params, PyTree, tree_leaves, tree_structure
 
@@ -518,6 +518,7 @@ def sharded_collectives(config: DPConfig, optimizer: optim.GradientTransformatio
         RuntimeError: no process group is initialised.
     """
     _require_group("dpfunc.distributed.make_train_step(shard=True)")
+    require_fsdp2("dpfunc.distributed.make_train_step(shard=True)")
     rank, world_size = rank_and_world_size()
     layouts: list[Sharding] = []  # the layout of the parameters init was called with
 

@@ -74,7 +74,7 @@ from .distributed import broadcast_from_rank0
 from .functional import functionalize
 from .per_sample import LossFn
 from .plan import PlannedRun, RunPlan
-from .sharding import fsdp_hooks_off, reshard, shard_module
+from .sharding import dtensor_class, fsdp_hooks_off, reshard, shard_module
 from .step import NONFINITE, NoiseAhead, StepNoise, TrainState
 from .tree import Params, tree_map
 
@@ -686,11 +686,10 @@ def _copy_rank0_model(model: nn.Module) -> None:
     without a word. A model already sharded by the caller is what its rows
     make up: its parameters are left as they are, its buffers synced.
     """
-    from torch.distributed.tensor import DTensor
-
+    dtensor = dtensor_class()
     tensors = {f"buffer:{name}": b for name, b in model.named_buffers()}
     parameters = dict(model.named_parameters())
-    if not any(isinstance(p, DTensor) for p in parameters.values()):
+    if dtensor is None or not any(isinstance(p, dtensor) for p in parameters.values()):
         tensors.update({f"parameter:{name}": p for name, p in parameters.items()})
     whole = broadcast_from_rank0({key: t.detach() for key, t in tensors.items()})
     with torch.no_grad():
@@ -705,18 +704,16 @@ def _noise_dtype(p: Tensor, secure: bool) -> torch.dtype:
 
 def _local(p: Tensor) -> Tensor:
     """A parameter's own values: this rank's rows of a sharded (``DTensor``) one."""
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p
+    dtensor = dtensor_class()
+    return p.to_local() if dtensor is not None and isinstance(p, dtensor) else p
 
 
 def _like(p: Tensor, values: Tensor) -> Tensor:
     """``values`` (``p``'s own values' shape) as a gradient for ``p``: a ``DTensor`` if ``p`` is."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor):
+    dtensor = dtensor_class()
+    if dtensor is None or not isinstance(p, dtensor):
         return values
-    return DTensor.from_local(
+    return dtensor.from_local(
         values, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
     )
 

@@ -74,12 +74,44 @@ __all__ = [
     "Sharding",
     "as_dtensors",
     "check_elementwise",
+    "dtensor_class",
     "from_dtensors",
     "fsdp_hooks_off",
+    "require_fsdp2",
     "reshard",
     "shard_module",
     "state_dims",
 ]
+
+
+def dtensor_class() -> type | None:
+    """torch's public ``DTensor`` class, or ``None`` on a torch that has none (before 2.5).
+
+    Unsharded code asks it whether a tensor is a ``DTensor``: on such a torch, none is.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return None
+    return DTensor
+
+
+def require_fsdp2(what: str) -> None:
+    """Raises ``RuntimeError`` naming ``what`` and the version if this torch lacks FSDP2.
+
+    Sharded steps use FSDP2's public ``torch.distributed.fsdp.fully_shard`` and
+    ``DTensor`` (``torch.distributed.tensor``), public since torch 2.6.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, fully_shard  # noqa: F401
+        from torch.distributed.tensor import DTensor, Shard  # noqa: F401
+    except ImportError as error:
+        raise RuntimeError(
+            f"{what} shards with FSDP2 (torch.distributed.fsdp.fully_shard and the public "
+            f"DTensor), which this torch {torch.__version__} does not have: use torch >= 2.6, "
+            "or train data-parallel (shard=False)"
+        ) from error
+
 
 # flat-tensor collectives: their newer names where this torch has them
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -383,6 +415,7 @@ def shard_module(model: torch.nn.Module) -> None:
             ``fully_shard`` grouped modules (``fully_shard([a, b])``), whose
             forward hooks :func:`fsdp_hooks_off` cannot lift.
     """
+    require_fsdp2("shard=True")
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
