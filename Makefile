@@ -8,7 +8,7 @@ EXTRAS := test,bench,examples,secure,hf
 WHEEL_VENV ?= build/wheel-venv
 WHEEL_TESTS ?= build/wheel-tests
 
-.PHONY: install test test-wheel test-heavy lint bench demo clean
+.PHONY: install test test-wheel test-torch test-heavy lint bench demo clean
 
 install: $(STAMP)
 
@@ -39,6 +39,12 @@ test-wheel:
 	cp -r tests examples docs README.md pyproject.toml $(WHEEL_TESTS)/
 	cd $(WHEEL_TESTS) && DPFUNC_TEST_INSTALLED=1 $(abspath $(WHEEL_VENV))/bin/python -P -m pytest \
 		--pyargs dpfunc tests -q -p no:cacheprovider
+
+# The same on another torch: `make test-torch TORCH=2.6.0` (see .ci/test-torch; a CUDA
+# build of several GB for most versions, run on the CPU).
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=x.y.z"; exit 2; }
+	.ci/test-torch $(TORCH)
 
 lint: install
 	$(VENV)/bin/ruff check dpfunc tests examples bench

@@ -22,6 +22,8 @@ def missing_extra(error: BaseException | None) -> str | None:
     ImportError of anything else, or of an installed module, stays a failure.
     """
     while error is not None:
+        if hasattr(error, "exc_info") and isinstance(error.exc_info, tuple):  # a doctest's
+            error = error.exc_info[1]
         if isinstance(error, ImportError):
             name = (error.name or "").split(".")[0]
             if name in OPTIONAL and importlib.util.find_spec(name) is None:
