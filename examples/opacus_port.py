@@ -199,7 +199,9 @@ def compare(repeats: int, epochs: int, device: str) -> list[dict]:
         for library in runs:
             command = [sys.executable, __file__, "--run", library, "--epochs", str(epochs),
                        "--device", device]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:  # its own error, where the reader sees it
+                sys.exit(f"the {library} run failed:\n{done.stderr[-3000:]}")
             runs[library].append(json.loads(done.stdout.strip().splitlines()[-1]))
     rows = []
     for library, records in runs.items():

@@ -206,11 +206,6 @@ def test_the_trainer_refuses_a_cpu_dataset_for_a_cuda_model(tiny_problem):
 
 @cuda
 @pytest.mark.slow
-@pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
-    reason="the step compiles with torch 2.13's Dynamo; 2.11's cannot trace it on any device "
-    "(PyTreeSpec comparison, bool of a list, the ghost planner as a constant)",
-)
 def test_a_compiled_cuda_step_equals_the_eager_one(tiny_problem):
     loss_fn, _, (x, y), model = tiny_problem()
     params, _ = dpfunc.functionalize(model.to("cuda"))
