@@ -538,27 +538,22 @@ def _converted(example: list, ks: list[int], dtype: torch.dtype) -> list:
 
 def _label_fix(example: list, tensors: list[int], where: list[str], run, said: str):
     """The error naming a label fix that makes ``run`` pass (float, int32, ``(n, 1)``), or None."""
-    for k in tensors:
-        x = example[k]
-        if x.is_floating_point() and run(_converted(example, [k], torch.int64)) is None:
-            return TypeError(
-                f"batch leaf {where[k]} holds {_name(x.dtype)} values where "
-                "loss_fn needs integers (class labels: F.cross_entropy and F.nll_loss take int64 "
-                f"class indices): convert them (y.long() when building the dataset). {said}"
-            )
-    for k in tensors:
-        x = example[k]
-        if (
-            not (x.is_floating_point() or x.is_complex())
-            and x.dtype != torch.int64
-            and run(_converted(example, [k], torch.int64)) is None
-        ):
-            return TypeError(
-                f"batch leaf {where[k]} is {_name(x.dtype)} where loss_fn needs int64 class "
-                "indices (F.cross_entropy and F.nll_loss take int64 labels): convert them "
-                "(y.long(), or y.astype(np.int64) for a numpy array, when building the "
-                f"dataset). {said}"
-            )
+    for floating in (True, False):  # float labels first: they may also hold a feature leaf
+        for k in tensors:
+            x = example[k]
+            if (
+                x.is_floating_point() == floating
+                and not x.is_complex()
+                and x.dtype != torch.int64
+                and run(_converted(example, [k], torch.int64)) is None
+            ):
+                held = f"holds {_name(x.dtype)} values" if floating else f"is {_name(x.dtype)}"
+                return TypeError(
+                    f"batch leaf {where[k]} {held} where loss_fn needs int64 class indices "
+                    "(class labels: F.cross_entropy and F.nll_loss take int64): convert them "
+                    "(y.long(), or y.astype(np.int64) for a numpy array, when building the "
+                    f"dataset). {said}"
+                )
     for k in tensors:
         x = example[k]
         if (
