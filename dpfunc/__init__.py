@@ -11,6 +11,7 @@ from . import (
     callbacks,
     data,
     distributed,
+    losses,
     matrix_factorization,
     optim,
     report,
@@ -19,6 +20,7 @@ from . import (
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
 from .config import DPConfig
 from .functional import check_per_example, functionalize, replace_batchnorm
+from .losses import BatchedLoss, batched_loss
 from .noise import add_noise, average, secret_seed, standard_normal_like
 from .per_sample import per_sample_grads, per_sample_grads_and_losses
 from .private import LogicalBatch, PrivateGradients
@@ -29,6 +31,7 @@ from .trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchedLoss",
     "DPConfig",
     "ExampleStats",
     "LogicalBatch",
@@ -44,11 +47,13 @@ __all__ = [
     "distributed",
     "add_noise",
     "average",
+    "batched_loss",
     "check_per_example",
     "clip_factors",
     "clipped_sum",
     "functionalize",
     "groups_by_module",
+    "losses",
     "make_train_step",
     "matrix_factorization",
     "optim",

@@ -21,7 +21,14 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["check_choice", "check_devices", "check_int", "check_number", "check_params"]
+__all__ = [
+    "check_choice",
+    "check_devices",
+    "check_int",
+    "check_number",
+    "check_params",
+    "check_per_example",
+]
 
 
 def _fail(name: str, requirement: str, value: Any) -> ValueError:
@@ -184,4 +191,19 @@ def check_devices(params: Any, batch: Any, name: str = "batch") -> None:
                 "the Trainer gathers rows where a tensor dataset lives (pass the dataset "
                 "after .to(device)), a hand-written loop moves each micro-batch with "
                 ".to(device) (docs/devices.md)"
+            )
+
+
+BATCH_NORMS = (torch.nn.modules.batchnorm._BatchNorm,)  # normalise over the batch
+
+
+def check_per_example(module: torch.nn.Module) -> None:
+    """Raises ``ValueError`` if a submodule of ``module`` mixes examples of a batch."""
+    for path, sub in module.named_modules():
+        if isinstance(sub, BATCH_NORMS):
+            where = f"module {path!r}" if path else "the root module"
+            raise ValueError(
+                f"{where} is {type(sub).__name__}, which normalises over the batch, so "
+                "one example's gradient depends on the others and DP-SGD cannot bound "
+                "it. Call dpfunc.replace_batchnorm(model) to swap in GroupNorm."
             )

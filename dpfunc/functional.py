@@ -17,11 +17,9 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from .checks import check_int
+from .checks import BATCH_NORMS, check_int, check_per_example  # noqa: F401 (check_per_example: public here)
 from .ghost import torch_class
 from .tree import Params
-
-_BATCH_NORMS = (nn.modules.batchnorm._BatchNorm,)
 
 
 def functionalize(module: nn.Module) -> tuple[Params, dict[str, Tensor]]:
@@ -70,18 +68,6 @@ def functionalize(module: nn.Module) -> tuple[Params, dict[str, Tensor]]:
     return params, buffers
 
 
-def check_per_example(module: nn.Module) -> None:
-    """Raises ``ValueError`` if a submodule of ``module`` mixes examples of a batch."""
-    for path, sub in module.named_modules():
-        if isinstance(sub, _BATCH_NORMS):
-            where = f"module {path!r}" if path else "the root module"
-            raise ValueError(
-                f"{where} is {type(sub).__name__}, which normalises over the batch, so "
-                "one example's gradient depends on the others and DP-SGD cannot bound "
-                "it. Call dpfunc.replace_batchnorm(model) to swap in GroupNorm."
-            )
-
-
 def replace_batchnorm(module: nn.Module, max_groups: int = 32) -> nn.Module:
     """Replaces every BatchNorm in ``module`` with a GroupNorm on the same channels.
 
@@ -120,7 +106,7 @@ def replace_batchnorm(module: nn.Module, max_groups: int = 32) -> nn.Module:
     found = [
         (path, sub)
         for path, sub in module.named_modules(remove_duplicate=False)
-        if isinstance(sub, _BATCH_NORMS)
+        if isinstance(sub, BATCH_NORMS)
     ]
     norms = {}  # id(BatchNorm) -> its GroupNorm, so that a shared BatchNorm stays shared
     for path, bn in found:

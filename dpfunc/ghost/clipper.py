@@ -27,10 +27,12 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 
 from .. import memory
-from ..checks import check_devices
+from ..checks import check_devices, check_per_example
 from ..clipping import ClippingPolicy, clipped_sum, per_sample_norms
+from ..losses import BatchedLoss
 from ..per_sample import per_sample_grads_and_losses
 from ..tree import Params, PyTree
+from .batched import batched_plan
 from .hooks import install_hooks
 from .planner import GhostPlan, analyse, matmul_precision
 from .runtime import ghost_clip
@@ -108,6 +110,8 @@ class GhostClipper:
         times (``None``: plain unchunked vmap)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(loss_fn, BatchedLoss):  # BatchNorm mixes the examples of a batch
+            check_per_example(model)
         self.model = model
         self.loss_fn = loss_fn
         self.method = method
@@ -192,6 +196,11 @@ def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPl
             if own is not None:  # nor without it: the loss's own error, which the step explains
                 raise own from None
             plan = _all_vmap(names, f"the analysis pass failed: {type(error).__name__}: {error}")
+        if isinstance(clipper.loss_fn, BatchedLoss) and plan.modules:
+            plan = batched_plan(
+                clipper.model, clipper.hooks, plan, clipper.loss_fn,
+                dict(zip(names, params)), _rebuild(skeleton, iter(leaves)),
+            )  # fmt: skip
         if timed and plan.modules:
             params = dict(zip(names, params))
             plan = _faster_of(clipper, plan, params, _rebuild(skeleton, iter(leaves)), rows)

@@ -50,6 +50,8 @@ class GhostPlan:
     modules: tuple[GhostModule, ...]
     reasons: tuple[str, ...]  # the fallbacks worth a warning, one line per module or owner
     vmapped: tuple[tuple[str, str], ...] = ()  # (parameter, "vmap: why")
+    # a batched loss's ghost pass runs the model on the whole batch (dpfunc.ghost.batched)
+    batched: bool = False
     covered: tuple[str, ...] = field(init=False)  # the parameters the rules handle
 
     def __post_init__(self):

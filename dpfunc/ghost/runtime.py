@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from torch.func import grad_and_value
+from torch.func import grad, grad_and_value
 
 from ..clipping import (
     Clipped,
@@ -29,8 +29,9 @@ from ..clipping import (
     rounding_scope,
     weights_by_parameter,
 )
-from ..per_sample import vmap_over_examples
-from ..tree import Params, PyTree
+from ..losses import check_losses
+from ..per_sample import batch_size, vmap_over_examples
+from ..tree import Params, PyTree, tree_map
 from .bounds import combine, form_norms, form_sum, formed_norms, weighted_sum, widen_form
 from .hooks import GhostHooks, attribute, install_hooks, module_input, parameters, remove_hooks
 from .planner import GhostModule, GhostPlan
@@ -53,9 +54,10 @@ def _probes(m: GhostModule, device: torch.device) -> tuple:
 class _Run:
     """Hook context of the ghost pass: adds the probes, records the inputs."""
 
-    def __init__(self, probes: dict[str, tuple], rules: dict[str, Rule]):
+    def __init__(self, probes: dict[str, tuple], rules: dict[str, Rule], batched: bool = False):
         self.probes = probes
         self.rules = rules
+        self.batched = batched  # the batched pass: probes are [B, ...], outputs may broadcast
         self.inputs: dict[str, list] = {}
 
     def _next_call(self, path: str) -> int:
@@ -73,12 +75,20 @@ class _Run:
         if probes is None or isinstance(probes[0], dict):  # dict: run_unrolled did the work
             return None
         probe = probes[self._next_call(path)]
+        x = module_input(args, kwargs)
+        if self.batched and output.shape[0] == 1 and output.shape[1:] == probe.shape[1:]:
+            # one output shared by the whole batch (position embeddings of position ids
+            # [1, T]): each example's copy gets its own probe, and its own copy of the input
+            output = output.expand(probe.shape)
+            if isinstance(x, Tensor) and x.dim() and x.shape[0] == 1:
+                x = x.expand(probe.shape[0], *x.shape[1:])
         if output.shape != probe.shape:
             raise RuntimeError(
                 f"dpfunc ghost clipping: module {path!r} returned shape {tuple(output.shape)} "
-                f"per example, but the plan was made for {tuple(probe.shape)}"
+                f"{'for the batch' if self.batched else 'per example'}, but the plan was made "
+                f"for {tuple(probe.shape)}"
             )
-        self.inputs[path].append(module_input(args, kwargs))
+        self.inputs[path].append(x)
         return output + probe
 
     def run_unrolled(self, path, module, args, kwargs):
@@ -96,6 +106,50 @@ class _Run:
         out = rule.run(module, probes, record, *args, **kwargs)
         self.inputs[path].append(record)
         return out
+
+
+def batched_pass(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, batch: PyTree):
+    """The probes' gradients, the losses and the recorded inputs of a batched loss's pass.
+
+    ``loss_fn.batched(params, batch)`` runs once on the whole batch with a probe
+    ``[B, *shape[1:]]`` on every planned call (``shape``, one example's output in
+    the plan, starts with the batch of one that the one-example form adds), and
+    ``grad`` of the sum of the losses gives each call's output gradient: row ``i``
+    is example ``i``'s own, since its loss reads only example ``i``
+    (:func:`dpfunc.ghost.batched.batched_plan` checked that). Inputs and output
+    gradients come back with an axis of 1 after the examples' axis, the layout the
+    vmap pass gives the rules. Returns ``((out_grads, {}), losses[B], inputs)``.
+    """
+    rows = batch_size(batch)
+    device = next(iter(params.values())).device
+    probes = {
+        m.path: tuple(torch.zeros((rows, *s[1:]), dtype=m.dtype, device=device) for s in m.probes)
+        for m in plan.modules
+    }
+
+    def total(probes):
+        run = _Run(probes, hooks.rules, batched=True)
+        hooks.ctx = run
+        try:
+            losses = loss_fn.batched(params, batch)
+        finally:
+            hooks.ctx = None
+        check_losses(losses, rows)
+        _check_all_ran(run, probes)
+        return losses.sum(), (losses, run.inputs)
+
+    out_grads, (losses, inputs) = grad(total, has_aux=True)(probes)
+    example_axis = lambda tree: tree_map(lambda t: t.unsqueeze(1), tree)  # noqa: E731
+    return (example_axis(out_grads), {}), losses.detach(), example_axis(inputs)
+
+
+def _check_all_ran(run: _Run, probes: dict) -> None:
+    short = [p for p in probes if len(run.inputs.get(p, ())) != len(probes[p])]
+    if short:
+        raise RuntimeError(
+            f"dpfunc ghost clipping: modules {short} ran fewer times in this pass than in "
+            "the analysis pass; use method='vmap' for this loss"
+        )
 
 
 def ghost_clip(
@@ -162,20 +216,18 @@ def ghost_clip(
                 "loss_fn must return one example's loss as a 0-d tensor, got "
                 f"{shape}; loss_fn sees a single example without a batch dimension"
             )
-        short = [p for p in probes if len(run.inputs.get(p, ())) != len(probes[p])]
-        if short:
-            raise RuntimeError(
-                f"dpfunc ghost clipping: modules {short} ran fewer times in this pass than in "
-                "the analysis pass; use method='vmap' for this loss"
-            )
+        _check_all_ran(run, probes)
         return loss, (loss, run.inputs)
 
-    per_example = vmap_over_examples(
-        grad_and_value(example_loss, argnums=(0, 1), has_aux=True),
-        in_dims=(None, None, None, 0),
-        chunk_size=chunk_size,
-    )
-    (out_grads, other_grads), (_, (losses, inputs)) = per_example(probes, other, covered, batch)
+    if plan.batched:  # the model run once on the whole batch (dpfunc.ghost.batched checked it)
+        (out_grads, other_grads), losses, inputs = batched_pass(loss_fn, hooks, plan, params, batch)
+    else:
+        per_example = vmap_over_examples(
+            grad_and_value(example_loss, argnums=(0, 1), has_aux=True),
+            in_dims=(None, None, None, 0),
+            chunk_size=chunk_size,
+        )
+        (out_grads, other_grads), (_, (losses, inputs)) = per_example(probes, other, covered, batch)
 
     forms: dict[str, list] = {name: [] for name in covered}
     for m in plan.modules:

@@ -1,0 +1,128 @@
+"""Whether a batched loss's ghost pass may run the model on the whole batch.
+
+A loss marked with :func:`dpfunc.batched_loss` returns one loss per example
+for a whole batch; the ghost pass can then take every planned layer's
+inputs and output gradients from one ordinary forward and backward
+(:func:`dpfunc.ghost.runtime.batched_pass`) instead of a ``vmap`` over the
+examples. That is exact only when two things hold, and
+:func:`batched_plan` decides both once per batch structure, when the plan is
+made (eagerly, also when a step is being compiled), before any step
+releases anything:
+
+* **Layout**: every planned layer keeps the examples on its first axis, so
+  the rows of its inputs and output gradients are the examples. A plan with
+  parameters left to vmap, a layer whose rule runs the layer itself
+  (``nn.MultiheadAttention``, recurrent layers) or a layer that does not see
+  a leading batch of one in the one-example form keeps the ``vmap`` pass,
+  with a warning that says why: slower, and still exact.
+* **Independence**: example ``i``'s loss reads example ``i`` alone. On the
+  batch the plan is made from, with the model in eval mode (dropout off;
+  BatchNorm is refused when the step is built), the batched pass's losses and per-example
+  gradient norms must equal those of the one-example loss (the batched loss
+  on a batch of one) example by example, to float rounding. A mean over the
+  batch, in-batch negatives or any other mixing changes them, and the step
+  raises, naming the example and the likely causes. A batch of one row
+  cannot show mixing, so it keeps the ``vmap`` pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from torch import nn
+
+from ..clipping import ClippingPolicy, per_sample_norms
+from ..per_sample import batch_size, per_sample_grads_and_losses
+from ..tree import Params, PyTree
+from .hooks import GhostHooks
+from .planner import GhostPlan
+from .runtime import ghost_clip
+
+__all__ = ["batched_plan", "layout_problem"]
+
+# relative agreement asked of the batched pass: its norms carry a rounding bound (about 1e-5
+# relative in float32) and are summed in another order than vmap's; mixing moves them by far more
+TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
+
+
+def layout_problem(plan: GhostPlan, hooks: GhostHooks) -> str:
+    """Why ``plan`` cannot run batched (``""``: it can); see the module docstring."""
+    if plan.vmapped:
+        names = ", ".join(name for name, _ in plan.vmapped)
+        return f"parameters {names} get per-example gradients (vmap) in this plan"
+    for m in plan.modules:
+        module = hooks.modules[m.path]
+        if hooks.rules[m.path].unrolled:
+            return f"module {m.path!r} ({type(module).__name__}) runs itself in the ghost pass"
+        for shape in m.probes:
+            if not shape or shape[0] != 1:
+                return (
+                    f"module {m.path!r} ({type(module).__name__}) gives one example an output "
+                    f"of shape {tuple(shape)}, not a batch of one in front"
+                )
+    return ""
+
+
+def batched_plan(
+    model: nn.Module, hooks: GhostHooks, plan: GhostPlan, loss_fn, params: Params, batch: PyTree
+) -> GhostPlan:
+    """``plan`` with ``batched=True`` where the batched pass is exact, else ``plan``.
+
+    Raises:
+        ValueError: the batched loss mixes the examples of ``batch``; the
+            message names the example, both values and the causes.
+    """
+    why = layout_problem(plan, hooks)
+    if why or batch_size(batch) < 2:
+        if why:
+            warnings.warn(
+                f"dpfunc: the batched loss {loss_fn!r} runs one example at a time in the ghost "
+                f"pass (vmap), since {why}; the result is the same, only slower",
+                UserWarning,
+                stacklevel=6,
+            )
+        return plan
+    batched = dataclasses.replace(plan, batched=True)
+    devices = sorted({t.device.index for t in params.values() if t.device.type == "cuda"})
+    training = {m: m.training for m in model.modules()}
+    try:
+        model.eval()  # dropout off: both passes must see the same function
+        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+            _compare(loss_fn, hooks, batched, params, batch)
+    finally:
+        for module, mode in training.items():
+            module.training = mode
+    return batched
+
+
+def _compare(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, batch: PyTree) -> None:
+    rows = batch_size(batch)
+    device = next(iter(params.values())).device
+    mask = torch.ones(rows, dtype=torch.bool, device=device)
+    _, losses, clipped = ghost_clip(
+        loss_fn, hooks, plan, params, batch, mask, clipping=ClippingPolicy("flat"), clip_norm=1.0
+    )
+    grads, alone = per_sample_grads_and_losses(loss_fn, params, batch)
+    norms = per_sample_norms(grads)
+    dtype = next(iter(params.values())).dtype
+    rtol = TOLERANCE.get(dtype, 1e-2)
+    for what, got, want in (("loss", losses, alone), ("gradient norm", clipped.norm, norms)):
+        got, want = got.detach().double(), want.detach().double()
+        # a floor of a few units in the last place of 1: a gradient that cancels to 0 in both
+        # (each loss minus itself, say) differs only by rounding
+        floor = rtol * 1e-3 * float(want.abs().max()) + 16 * torch.finfo(dtype).eps
+        off = (got - want).abs() > rtol * want.abs() + floor
+        off |= torch.isfinite(got) != torch.isfinite(want)
+        if bool(off.any()):
+            i = int(off.nonzero()[0])
+            raise ValueError(
+                f"the batched loss {loss_fn!r} mixes the examples of a batch: example {i}'s "
+                f"{what} is {float(got[i]):.6g} in the batch and {float(want[i]):.6g} alone "
+                f"({int(off.sum())} of {rows} examples differ). Each example's loss must read "
+                "that example only: no mean or sum over the batch (return the unreduced "
+                "losses, e.g. reduction='none' or dpfunc.losses' helpers), no in-batch "
+                "negatives or other terms across examples, no layer that mixes examples. "
+                "A one-example loss (without dpfunc.batched_loss) cannot mix them"
+            )
