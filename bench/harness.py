@@ -166,22 +166,33 @@ def nonprivate(model, x, y, compile=False, forward=call_model, criterion=None):
     return step, lambda: list(model.parameters())
 
 
-def dpfunc_step(model, x, y, /, method, compile=False, forward=call_model, criterion=None):
+def dpfunc_step(
+    model, x, y, /, method, compile=False, forward=call_model, criterion=None, batch_loss=False
+):
     """dpfunc.make_train_step(..., model=model, method=method), called with a full mask;
     drawing the noise tree is timed too. ``method="auto"`` (the default) picks ghost
     clipping where it covers the model and per-example gradients (vmap) elsewhere. The
-    loss of one example is ``criterion`` on it as a batch of one. ``step.train_step``
-    is the TrainStep."""
+    loss of one example is ``criterion`` on it as a batch of one; with ``batch_loss``,
+    the loss is ``dpfunc.batched_loss`` of ``criterion`` with ``reduction="none"`` on the
+    whole batch (the ghost pass runs the model batched). ``step.train_step`` is the
+    TrainStep."""
     params, buffers = dpfunc.functionalize(model)
     criterion = nn.CrossEntropyLoss() if criterion is None else criterion
 
+    def call_with(p):
+        return lambda *args, **kwargs: torch.func.functional_call(model, (p, buffers), args, kwargs)
+
     def loss_fn(p, example):
         xi, yi = example
+        return criterion(forward(call_with(p), batched(xi)), batched(yi))
 
-        def call(*args, **kwargs):
-            return torch.func.functional_call(model, (p, buffers), args, kwargs)
+    if batch_loss:
+        criterion.reduction = "none"
 
-        return criterion(forward(call, batched(xi)), batched(yi))
+        @dpfunc.batched_loss
+        def loss_fn(p, batch):
+            xb, yb = batch
+            return criterion(forward(call_with(p), xb), yb)
 
     train_step = dpfunc.make_train_step(
         loss_fn, dpfunc.optim.sgd(lr=LR), clip_norm=CLIP_NORM,

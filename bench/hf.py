@@ -237,8 +237,10 @@ def builders(criterion, explicit_ids=logits_explicit_ids, forward=logits) -> dic
     def kw(call=forward):
         return {"forward": call, "criterion": criterion()}
 
-    def dp(method, compile=False):
-        return lambda m, x, y: harness.dpfunc_step(m, x, y, method, compile=compile, **kw())
+    def dp(method, compile=False, batch_loss=False):
+        return lambda m, x, y: harness.dpfunc_step(
+            m, x, y, method, compile=compile, batch_loss=batch_loss, **kw()
+        )
 
     def opacus(mode, call=forward):
         return lambda m, x, y: harness.opacus(m, x, y, mode, **kw(call))
@@ -250,6 +252,8 @@ def builders(criterion, explicit_ids=logits_explicit_ids, forward=logits) -> dic
         "dpfunc_ghost": dp("auto"),
         "dpfunc_ghost_compiled": dp("auto", compile=True),
         "dpfunc_ghost_only": dp("ghost"),
+        "dpfunc_batched": dp("auto", batch_loss=True),
+        "dpfunc_batched_compiled": dp("auto", compile=True, batch_loss=True),
         "opacus_hooks": opacus("hooks"),
         "opacus_ghost": opacus("ghost"),
         "opacus_hooks_ids": opacus("hooks", explicit_ids),
@@ -444,8 +448,9 @@ def main():
         table = builders(criterion, explicit_ids, forward)
         table = {m: recorded(table[m], logs[m], settings["warmup"]) for m in methods}
         skipped = dict(skip)
-        if name in NO_OPACUS:
-            skipped.update({m: "skipped: no per-example loss" for m in methods if "opacus" in m})
+        if name in NO_OPACUS:  # nor a batched loss: gpt2_full is its batched form
+            skipped.update({m: "skipped: no per-example loss" for m in methods
+                            if "opacus" in m or "batched" in m})  # fmt: skip
         info = harness.bench_workload(
             name, methods, skip=skipped, **settings, workloads={name: build}, builders=table
         )
@@ -459,7 +464,7 @@ def main():
                 out["error"], out["traceback"] = log["error"], log["traceback"][-6000:]
             if log.get("warnings"):
                 out["warnings"] = log["warnings"]
-            if method.startswith("dpfunc_ghost") and log.get("train_step") is not None:
+            if method.startswith(("dpfunc_ghost", "dpfunc_batched")) and log.get("train_step"):
                 out["plan"] = ghost_plan(log.pop("train_step"), list(trained))
         results["workloads"][name] = info
     results["total_s"] = time.perf_counter() - start

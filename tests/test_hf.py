@@ -194,3 +194,79 @@ def test_compiled_step_equals_eager(build, forward):
         results.append(state.params)
     for name, value in results[0].items():
         torch.testing.assert_close(results[1][name], value, rtol=1e-4, atol=1e-5)
+
+
+def batched_losses(build, model, buffers):
+    """The batched form of ``classify`` / ``language_model``, through dpfunc.losses."""
+
+    @dpfunc.batched_loss
+    def losses(p, batch):
+        ids, mask, labels = batch
+        out = functional_call(model, (p, buffers), (), dict(input_ids=ids, attention_mask=mask))
+        if build is bert:
+            return dpfunc.losses.classification(out.logits, (labels[:, -1] % 3).clamp(min=0))
+        return dpfunc.losses.causal_lm(out.logits, labels)
+
+    return losses
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("build, forward", CASES, ids=IDS)
+def test_a_batched_loss_runs_batched_and_equals_the_one_example_loss(build, forward, dtype, rtol):
+    """The batched pass (no vmap) gives the one-example loss's clipped sum and norms on
+    every family, to float rounding: in float64 the one-example form of the same loss,
+    in float32 the one-example loss of ``forward`` (transformers' own labels= loss, which
+    it computes in float32 whatever the model's dtype)."""
+    torch.manual_seed(0)
+    model = build().to(dtype).eval()
+    batch = padded_batch()
+    params, buffers = dpfunc.functionalize(model)
+    losses = batched_losses(build, model, buffers)
+
+    def loss_fn(p, example):
+        if dtype == torch.float64:
+            return losses(p, example)  # a plain function: the vmap pass
+        return forward(lambda **kw: functional_call(model, (p, buffers), (), kw), example)
+
+    def step(loss):
+        return dpfunc.make_train_step(
+            loss, dpfunc.optim.sgd(lr=1.0), clip_norm=0.5, noise_multiplier=0.0,
+            expected_batch_size=B, model=model, method="ghost",
+        )  # fmt: skip
+
+    mask = torch.tensor([True, True, True, False])
+    batched = step(losses)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback to the vmap pass
+        warnings.filterwarnings("ignore", message="There is a performance drop")
+        got, got_stats = batched.clip(params, batch, mask)
+    assert [plan.batched for plan in batched._ghost.plans.values()] == [True]
+    want, want_stats = step(loss_fn).clip(params, batch, mask)
+    assert int(got_stats.scaled[:3].sum()) >= 1
+    torch.testing.assert_close(got_stats.loss, want_stats.loss, rtol=rtol, atol=rtol * 1e-3)
+    torch.testing.assert_close(got_stats.norm, want_stats.norm, rtol=rtol, atol=rtol * 1e-3)
+    for name in params:
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=rtol * 1e-3, msg=name)
+
+
+@pytest.mark.heavy  # a minute or more of compiling each: make test-heavy
+@pytest.mark.parametrize("build, forward", CASES, ids=IDS)
+def test_compiled_batched_step_equals_eager(build, forward):
+    torch.manual_seed(0)
+    model = build().eval()
+    params, buffers = dpfunc.functionalize(model)
+    losses = batched_losses(build, model, buffers)
+    batch, mask = padded_batch(), torch.tensor([True, True, True, False])
+    results = []
+    for compile in (False, True):
+        step = dpfunc.make_train_step(
+            losses, dpfunc.optim.sgd(lr=0.5), clip_norm=0.1, noise_multiplier=1.0,
+            expected_batch_size=4.0, model=model,
+        )  # fmt: skip
+        call = dpfunc.compiling.compile_fullgraph(step) if compile else step
+        state = step.init(params)
+        for t in range(2):
+            state, _ = call(state, batch, mask, step.draw_noise(state.params, seed=7, step=t).params)
+        results.append(state.params)
+    for name, value in results[0].items():
+        torch.testing.assert_close(results[1][name], value, rtol=1e-5, atol=1e-6, msg=name)

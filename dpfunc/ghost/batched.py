@@ -18,8 +18,9 @@ releases anything:
 * **Independence**: example ``i``'s loss reads example ``i`` alone. On the
   batch the plan is made from, with the model in eval mode (dropout off;
   BatchNorm is refused when the step is built), the batched pass's losses and per-example
-  gradient norms must equal those of the one-example loss (the batched loss
-  on a batch of one) example by example, to float rounding. A mean over the
+  gradient norms must equal those of the ghost pass under ``vmap`` with the
+  one-example loss (the batched loss on a batch of one), example by example,
+  to float rounding. A mean over the
   batch, in-batch negatives or any other mixing changes them, and the step
   raises, naming the example and the likely causes. A batch of one row
   cannot show mixing, so it keeps the ``vmap`` pass.
@@ -33,8 +34,8 @@ import warnings
 import torch
 from torch import nn
 
-from ..clipping import ClippingPolicy, per_sample_norms
-from ..per_sample import batch_size, per_sample_grads_and_losses
+from ..clipping import ClippingPolicy
+from ..per_sample import batch_size
 from ..tree import Params, PyTree
 from .hooks import GhostHooks
 from .planner import GhostPlan
@@ -101,11 +102,17 @@ def _compare(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, batch:
     rows = batch_size(batch)
     device = next(iter(params.values())).device
     mask = torch.ones(rows, dtype=torch.bool, device=device)
+    policy = ClippingPolicy("flat")
     _, losses, clipped = ghost_clip(
-        loss_fn, hooks, plan, params, batch, mask, clipping=ClippingPolicy("flat"), clip_norm=1.0
+        loss_fn, hooks, plan, params, batch, mask, clipping=policy, clip_norm=1.0
     )
-    grads, alone = per_sample_grads_and_losses(loss_fn, params, batch)
-    norms = per_sample_norms(grads)
+    # the vmap pass of the same plan: the same rules and rounding bounds, each example's
+    # output gradients from its own loss alone
+    one = dataclasses.replace(plan, batched=False)
+    _, alone, by_one = ghost_clip(
+        loss_fn, hooks, one, params, batch, mask, clipping=policy, clip_norm=1.0
+    )
+    norms = by_one.norm
     dtype = next(iter(params.values())).dtype
     rtol = TOLERANCE.get(dtype, 1e-2)
     for what, got, want in (("loss", losses, alone), ("gradient norm", clipped.norm, norms)):

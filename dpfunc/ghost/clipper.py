@@ -182,28 +182,11 @@ def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPl
         plan = _all_vmap(names, key[1])
     else:
         example = _rebuild(skeleton, iter(t[0] for t in leaves))
-        try:
-            plan = analyse(
-                clipper.model,
-                clipper.hooks,
-                clipper.loss_fn,
-                dict(zip(names, params)),
-                example,
-                clipper.method,
-            )
-        except Exception as error:  # the loss could not run under the analysis
-            own = _own_failure(clipper.loss_fn, dict(zip(names, params)), example)
-            if own is not None:  # nor without it: the loss's own error, which the step explains
-                raise own from None
-            plan = _all_vmap(names, f"the analysis pass failed: {type(error).__name__}: {error}")
-        if isinstance(clipper.loss_fn, BatchedLoss) and plan.modules:
-            plan = batched_plan(
-                clipper.model, clipper.hooks, plan, clipper.loss_fn,
-                dict(zip(names, params)), _rebuild(skeleton, iter(leaves)),
-            )  # fmt: skip
+        batch = _rebuild(skeleton, iter(leaves))
+        plan = _analysed_plan(clipper, dict(zip(names, params)), example, batch)
         if timed and plan.modules:
             params = dict(zip(names, params))
-            plan = _faster_of(clipper, plan, params, _rebuild(skeleton, iter(leaves)), rows)
+            plan = _faster_of(clipper, plan, params, batch, rows)
     clipper.plans[key] = plan
     if plan.reasons and not clipper.warned:
         clipper.warned = True
@@ -221,6 +204,32 @@ def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPl
             stacklevel=4,
         )
     return plan
+
+
+def _analysed_plan(clipper: GhostClipper, params: Params, example, batch) -> GhostPlan:
+    """The analysis pass's plan. A batched loss's ghosts every layer it can (a layer left
+    to vmap would cost the batch a vmap pass) and runs batched where that is exact
+    (:func:`~dpfunc.ghost.batched.batched_plan`); where it cannot, ``method="auto"``
+    plans again by the layers' costs."""
+    if not isinstance(clipper.loss_fn, BatchedLoss):
+        return _analysed(clipper, params, example, clipper.method)
+    plan = _analysed(clipper, params, example, "ghost")
+    if plan.modules:
+        plan = batched_plan(clipper.model, clipper.hooks, plan, clipper.loss_fn, params, batch)
+    if not plan.batched and clipper.method == "auto":
+        plan = _analysed(clipper, params, example, "auto")
+    return plan
+
+
+def _analysed(clipper: GhostClipper, params: Params, example, method: str) -> GhostPlan:
+    """:func:`~dpfunc.ghost.planner.analyse`, or plain vmap where the analysis pass fails."""
+    try:
+        return analyse(clipper.model, clipper.hooks, clipper.loss_fn, params, example, method)
+    except Exception as error:  # the loss could not run under the analysis
+        own = _own_failure(clipper.loss_fn, params, example)
+        if own is not None:  # nor without it: the loss's own error, which the step explains
+            raise own from None
+        return _all_vmap(list(params), f"the analysis pass failed: {type(error).__name__}: {error}")
 
 
 def _own_failure(loss_fn, params: Params, example) -> Exception | None:

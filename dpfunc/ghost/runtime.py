@@ -54,11 +54,20 @@ def _probes(m: GhostModule, device: torch.device) -> tuple:
 class _Run:
     """Hook context of the ghost pass: adds the probes, records the inputs."""
 
-    def __init__(self, probes: dict[str, tuple], rules: dict[str, Rule], batched: bool = False):
+    def __init__(
+        self,
+        probes: dict[str, tuple],
+        rules: dict[str, Rule],
+        batched: bool = False,
+        capture: bool = False,
+    ):
         self.probes = probes
         self.rules = rules
         self.batched = batched  # the batched pass: probes are [B, ...], outputs may broadcast
         self.inputs: dict[str, list] = {}
+        # capture (the batched pass, eagerly): no probe is added; each call's output is kept
+        # (with its version) to be differentiated directly
+        self.outputs: list[tuple[str, Tensor, int]] | None = [] if capture else None
 
     def _next_call(self, path: str) -> int:
         calls = self.inputs.setdefault(path, [])
@@ -75,8 +84,9 @@ class _Run:
         if probes is None or isinstance(probes[0], dict):  # dict: run_unrolled did the work
             return None
         probe = probes[self._next_call(path)]
-        x = module_input(args, kwargs)
-        if self.batched and output.shape[0] == 1 and output.shape[1:] == probe.shape[1:]:
+        x, original = module_input(args, kwargs), output
+        shared = self.batched and output.shape[0] == 1 and output.shape[1:] == probe.shape[1:]
+        if shared:
             # one output shared by the whole batch (position embeddings of position ids
             # [1, T]): each example's copy gets its own probe, and its own copy of the input
             output = output.expand(probe.shape)
@@ -89,7 +99,13 @@ class _Run:
                 f"for {tuple(probe.shape)}"
             )
         self.inputs[path].append(x)
-        return output + probe
+        if self.outputs is None:
+            return output + probe
+        # eagerly, the output itself is differentiated: a leaf where nothing before it is
+        if not output.requires_grad:
+            output = output.detach().requires_grad_()
+        self.outputs.append((path, output, output._version))
+        return None if output is original else output
 
     def run_unrolled(self, path, module, args, kwargs):
         """A planned module that runs itself: its rule's forward, with a probe at every site."""
@@ -122,13 +138,16 @@ def batched_pass(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, ba
     """
     rows = batch_size(batch)
     device = next(iter(params.values())).device
+    # eagerly the outputs are differentiated themselves: the probes only carry their shapes
+    capture = not torch.compiler.is_compiling()
+    where = torch.device("meta") if capture else device
     probes = {
-        m.path: tuple(torch.zeros((rows, *s[1:]), dtype=m.dtype, device=device) for s in m.probes)
+        m.path: tuple(torch.zeros((rows, *s[1:]), dtype=m.dtype, device=where) for s in m.probes)
         for m in plan.modules
     }
 
-    def total(probes):
-        run = _Run(probes, hooks.rules, batched=True)
+    def run_loss(probes) -> tuple[Tensor, _Run]:
+        run = _Run(probes, hooks.rules, batched=True, capture=capture)
         hooks.ctx = run
         try:
             losses = loss_fn.batched(params, batch)
@@ -136,11 +155,37 @@ def batched_pass(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, ba
             hooks.ctx = None
         check_losses(losses, rows)
         _check_all_ran(run, probes)
+        return losses, run
+
+    def total(probes):
+        losses, run = run_loss(probes)
         return losses.sum(), (losses, run.inputs)
 
-    out_grads, (losses, inputs) = grad(total, has_aux=True)(probes)
+    if capture:
+        with torch.enable_grad():
+            losses, run = run_loss(probes)
+            out_grads = _output_gradients(losses, run)
+        inputs = tree_map(lambda t: t.detach(), run.inputs)  # the graph is no longer needed
+    else:
+        out_grads, (losses, inputs) = grad(total, has_aux=True)(probes)
     example_axis = lambda tree: tree_map(lambda t: t.unsqueeze(1), tree)  # noqa: E731
     return (example_axis(out_grads), {}), losses.detach(), example_axis(inputs)
+
+
+def _output_gradients(losses: Tensor, run: _Run) -> dict[str, tuple]:
+    """Each recorded output's gradient of the summed losses, by path and call (as probes')."""
+    if any(output._version != version for _, output, version in run.outputs):
+        raise RuntimeError(
+            "dpfunc ghost clipping: a planned layer's output was changed in place after the "
+            "layer ran, so its gradient would be that of the changed value; use a one-example "
+            "loss (without dpfunc.batched_loss) or method='vmap' for this model"
+        )
+    outputs = [output for _, output, _ in run.outputs]
+    grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
+    by_path: dict[str, list] = {}
+    for (path, output, _), g in zip(run.outputs, grads):
+        by_path.setdefault(path, []).append(torch.zeros_like(output) if g is None else g)
+    return {path: tuple(calls) for path, calls in by_path.items()}
 
 
 def _check_all_ran(run: _Run, probes: dict) -> None:
