@@ -33,7 +33,10 @@ mean loss, SGD), ``dpfunc_ghost`` (dpfunc's default step, ``make_train_step(...,
 model=model)``, method "auto"), ``dpfunc_vmap`` (method "vmap"), each eager and under
 ``torch.compile(fullgraph=True)`` as dpfunc compiles (``dpfunc.compiling.compile_fullgraph``),
 ``dpfunc_ghost_only`` (method "ghost", eager: with ``dpfunc_vmap``, what "auto" chooses
-between), and Opacus 1.6 in ``hooks`` and ``ghost`` mode.
+between), ``dpfunc_batched`` and ``dpfunc_batched_compiled`` (the default step with the
+workload's loss as a batched loss, ``dpfunc.batched_loss``: one loss per sequence for the
+whole batch, so the ghost pass runs the model batched; not for ``gpt2_labels``, whose
+``labels=`` loss averages the batch's tokens), and Opacus 1.6 in ``hooks`` and ``ghost`` mode.
 Out of the box Opacus fails on BERT and the fully trained GPT-2: the position ids (and
 BERT's token type ids) that the models build for themselves have batch size 1, so the
 per-sample gradients of those embeddings come out with 1 row. ``opacus_hooks_ids`` and
@@ -86,9 +89,9 @@ MIN_LENGTH = T // 2  # each sequence keeps between MIN_LENGTH and T tokens
 PAD_ID = 0  # token id at padding positions
 # targets for dpfunc's default step (make_train_step(..., model=model)) over `nonprivate`
 TARGETS = {
-    "compiled_x_time": 1.25,  # dpfunc_ghost_compiled: time
-    "compiled_x_memory": 1.5,  # dpfunc_ghost_compiled: peak memory
-    "eager_x_time": 1.5,  # dpfunc_ghost: time
+    "compiled_x_time": 1.2,  # the faster of dpfunc_ghost_compiled, dpfunc_batched_compiled
+    "compiled_x_memory": 1.5,  # the same step's peak memory
+    "eager_x_time": 1.5,  # dpfunc_batched (dpfunc_ghost where a batched loss does not apply)
 }
 # warnings whose text contains one of these are quoted in hf.md (all go to hf.json)
 NOTABLE_WARNINGS = ("dpfunc", "batching rule")
@@ -337,14 +340,17 @@ def targets_table(results: dict) -> list[str]:
         "## Targets for the default step",
         "",
         'The default step is `make_train_step(..., model=model)` (method "auto": ghost '
-        "clipping where it covers the model and is cheaper, vmap elsewhere). Targets over "
-        f"the eager non-private step: compiled (`dpfunc_ghost_compiled`) at most "
-        f"{t['compiled_x_time']:g}x its time and {t['compiled_x_memory']:g}x its peak memory; "
-        f"eager (`dpfunc_ghost`) at most {t['eager_x_time']:g}x its time.",
+        "clipping where it covers the model and is cheaper, vmap elsewhere), with the "
+        "one-example loss or the batched one (`dpfunc.batched_loss`). Targets over the eager "
+        f"non-private step: compiled (the faster of `dpfunc_ghost_compiled` and "
+        f"`dpfunc_batched_compiled`, named in the row) at most {t['compiled_x_time']:g}x its "
+        f"time and {t['compiled_x_memory']:g}x its peak memory; eager with the batched loss "
+        f"(`dpfunc_batched`; `dpfunc_ghost` where it does not apply) at most "
+        f"{t['eager_x_time']:g}x its time.",
         "",
-        "| workload | non-private ms | compiled ms | x time (target) | x memory (target) "
-        "| compile s | eager ms | x time (target) | x memory | all met |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| workload | non-private ms | compiled | compiled ms | x time (target) "
+        "| x memory (target) | compile s | eager ms | x time (target) | x memory | all met |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
 
     def check(value, limit):
@@ -360,7 +366,11 @@ def targets_table(results: dict) -> list[str]:
     for name, info in results["workloads"].items():
         methods = info["methods"]
         base = methods.get("nonprivate", {})
-        comp, eager = methods.get("dpfunc_ghost_compiled", {}), methods.get("dpfunc_ghost", {})
+        ran = {m: v for m, v in methods.items() if v.get("median_ms")}
+        compiled = [m for m in ("dpfunc_ghost_compiled", "dpfunc_batched_compiled") if m in ran]
+        which = min(compiled, key=lambda m: ran[m]["median_ms"], default="-")
+        comp = ran.get(which, {})
+        eager = ran.get("dpfunc_batched", ran.get("dpfunc_ghost", {}))
         cells = [
             check(over(comp, base, "median_ms"), t["compiled_x_time"]),
             check(over(comp, base, "peak_mb"), t["compiled_x_memory"]),
@@ -373,7 +383,8 @@ def targets_table(results: dict) -> list[str]:
         else:
             met = ("**no**" if not all(checked) else "so far") + " (not all measured)"
         row = [
-            name, fmt(base.get("median_ms"), ".2f"), fmt(comp.get("median_ms"), ".2f"),
+            name, fmt(base.get("median_ms"), ".2f"), f"`{which}`",
+            fmt(comp.get("median_ms"), ".2f"),
             cells[0][0], cells[1][0], fmt(comp.get("compile_s"), ".1f"),
             fmt(eager.get("median_ms"), ".2f"), cells[2][0], cells[3][0], met,
         ]  # fmt: skip
