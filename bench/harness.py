@@ -45,7 +45,13 @@ QUICK = {"warmup": 2, "repeats": 5, "memory_steps": 1}
 QUIET_LOAD = 0.25  # a repeat is quiet if other processes used fewer cores than this meanwhile
 MIN_QUIET = 5  # statistics use only the quiet repeats if there are this many, else all
 OPACUS_MODES = ("hooks", "functorch", "ew", "ghost")  # Opacus grad_sample_mode values
-COMPILED = ("nonprivate_compiled", "dpfunc_vmap_compiled", "dpfunc_ghost_compiled")  # --quick skips
+# --quick skips these
+COMPILED = (
+    "nonprivate_compiled",
+    "dpfunc_vmap_compiled",
+    "dpfunc_ghost_compiled",
+    "dpfunc_batched_compiled",
+)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Dynamo refuses to trace nn.RNN / GRU / LSTM unless told to; dpfunc's ghost path runs them
 # unrolled, which traces. Set for every method, so the compiled ones are compared alike.
@@ -252,6 +258,10 @@ METHODS = {
     "dpfunc_ghost": lambda m, x, y: dpfunc_step(m, x, y, "auto"),
     "dpfunc_ghost_only": lambda m, x, y: dpfunc_step(m, x, y, "ghost"),
     "dpfunc_ghost_compiled": lambda m, x, y: dpfunc_step(m, x, y, "auto", compile=True),
+    "dpfunc_batched": lambda m, x, y: dpfunc_step(m, x, y, "auto", batch_loss=True),
+    "dpfunc_batched_compiled": lambda m, x, y: dpfunc_step(
+        m, x, y, "auto", compile=True, batch_loss=True
+    ),
     **{f"opacus_{m}": (lambda model, x, y, m=m: opacus(model, x, y, m)) for m in OPACUS_MODES},
 }
 

@@ -45,8 +45,8 @@ import harness  # noqa: E402  (bench/harness.py: workloads, builders, measuring,
 DEFAULT = ("dpfunc_ghost_compiled", "dpfunc_ghost")
 # targets for the default step: time over non-private, time over Opacus' ghost mode, memory
 TARGETS = {
-    "mlp": {"x_nonprivate": 2.0, "x_opacus_ghost": 1.0},
-    "cnn": {"x_nonprivate": 1.6, "x_opacus_ghost": 1.0},
+    "mlp": {"x_nonprivate": 1.3, "x_opacus_ghost": 1.0},
+    "cnn": {"x_nonprivate": 1.2, "x_opacus_ghost": 1.0},
     "transformer": {"x_nonprivate": 2.5},
     "lstm": {},
     "digits_cnn": {},
