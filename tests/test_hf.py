@@ -266,7 +266,8 @@ def test_compiled_batched_step_equals_eager(build, forward):
         call = dpfunc.compiling.compile_fullgraph(step) if compile else step
         state = step.init(params)
         for t in range(2):
-            state, _ = call(state, batch, mask, step.draw_noise(state.params, seed=7, step=t).params)
+            noise = step.draw_noise(state.params, seed=7, step=t).params
+            state, _ = call(state, batch, mask, noise)
         results.append(state.params)
     for name, value in results[0].items():
         torch.testing.assert_close(results[1][name], value, rtol=1e-5, atol=1e-6, msg=name)
