@@ -362,7 +362,7 @@ def state_dict(trainer: Any, parts: tuple[str, ...] = STATE_PARTS) -> dict[str, 
     return {
         "version": VERSION,
         "config": settings(trainer),
-        "state": {part: optree.tree_leaves(getattr(trainer.state, part)) for part in parts},
+        "state": {part: _stored(part, getattr(trainer.state, part)) for part in parts},
         "accountant": trainer.accountant.state_dict(),
         "history": trainer.history,
         "seed_secret": trainer.seed_is_secret,
@@ -594,10 +594,20 @@ def _state(trainer: Any, path: str | os.PathLike, checkpoint: Any, parts: tuple[
     return state, accountant, list(checkpoint["history"]), checkpoint["config"]["seed"]
 
 
+def _stored(part: str, tree: Any) -> list[torch.Tensor]:
+    """The tensors a checkpoint stores for one part of the state: its leaves.
+
+    The clip state's: its clip norm, 0-d. The state holds it 1-element
+    (:class:`dpfunc.clipping.ClipState`); the file keeps the earlier releases'
+    0-d form, so checkpoints load across them both ways.
+    """
+    return [tree.clip_norm] if part == "clip_state" else optree.tree_leaves(tree)
+
+
 def _part(trainer: Any, path: str | os.PathLike, part: str, leaves: Any) -> Any:
     """One part of the saved state, in the structure of the trainer's own, on its devices."""
     mine = getattr(trainer.state, part)
-    current = optree.tree_leaves(mine)
+    current = _stored(part, mine)
     if (
         not isinstance(leaves, list)
         or len(leaves) != len(current)
@@ -610,7 +620,8 @@ def _part(trainer: Any, path: str | os.PathLike, part: str, leaves: Any) -> Any:
             f"checkpoint {os.fspath(path)!r} holds a train state whose {part} tensors do not "
             "match this trainer's (their number, shapes or dtypes differ)"
         )
-    leaves = [a.to(b.device) for a, b in zip(leaves, current)]  # each rank's own device
+    # each rank's own device, in the state's shapes
+    leaves = [a.to(b.device).reshape(b.shape) for a, b in zip(leaves, optree.tree_leaves(mine))]
     return optree.tree_unflatten(optree.tree_structure(mine), leaves)
 
 

@@ -24,13 +24,15 @@ rows, and the micro-batch sums are added across micro-batches and ranks. Each
 step can only make a contribution larger by a factor that Higham's ``gamma_n``
 bounds ("Accuracy and Stability of Numerical Algorithms", 2002, sections 3.1
 and 4.2), so :func:`clip_factors` divides by the product of those factors (a
-relative margin of about 1e-5 in float32, 1e-10 in float64; see
+relative margin of about 3e-5 for 256 float32 rows, 1e-10 in float64; see
 :func:`clip_margin`): every example's contribution to the sum, as computed,
 has norm at most its clip bound. The margin depends only on public
 quantities (the dtype, the physical rows of a micro-batch, the number of
-coordinates), never on the data or the realised batch size. The sum of a
-micro-batch runs in its :func:`accumulation_dtype` (float32 for bf16, fp16 and
-float32 gradients, float64 for float64), never in half precision.
+coordinates, and the fixed counts ``FLOAT32_SUMS`` and ``ACCUMULATED_SUMS`` of
+micro-batch sums and ranks it covers), never on the data or the realised batch
+size. The sum of a micro-batch runs in its :func:`accumulation_dtype` (float32
+for bf16, fp16 and float32 gradients, float64 for float64), never in half
+precision; so does the running sum of a logical batch within ``FLOAT32_SUMS``.
 
 Adaptive clipping (Andrew, Thakkar, McMahan and Ramaswamy 2021, "Differentially
 private learning with adaptive clipping") moves the clip norm towards a
@@ -204,12 +206,30 @@ def _check_groups(groups: Groups, grads: PyTree) -> None:
 ACCUMULATED_SUMS = 2**20
 """Micro-batch sums plus ranks whose float64 additions :func:`clip_margin` covers.
 
-A logical batch is summed over its micro-batches and then over ranks in
-float64 (:meth:`dpfunc.TrainStep.accumulate`, the distributed all-reduce);
-each addition can round every contribution by ``2**-53``. The number of
-micro-batches follows the realised Poisson batch, so the margin uses this
-fixed public count instead: about a million micro-batches and ranks
-together, a relative ``1.2e-10``.
+A float64 running sum (float64 parameters, :meth:`dpfunc.TrainStep.zeros`
+without a bound, or a float32 one past ``FLOAT32_SUMS``) adds micro-batch
+sums and then the ranks' sums in float64; each addition can round every
+contribution by ``2**-53``. The number of micro-batches follows the realised
+Poisson batch, so the margin uses this fixed public count instead: about a
+million micro-batches and ranks together, a relative ``1.2e-10``.
+The Trainer's plan (:class:`dpfunc.plan.RunPlan`) refuses a physical batch size that could
+split a logical batch into more.
+"""
+
+FLOAT32_SUMS = 2**7
+"""Micro-batch sums plus ranks whose float32 additions :func:`clip_margin` covers.
+
+The running clipped sum of a logical batch of float32 (or half-precision)
+parameters is float32 (:meth:`dpfunc.TrainStep.logical_step`): each addition
+of a micro-batch sum, and of a rank's sum in the all-reduce, can round every
+contribution by ``2**-24``. The float32 margin covers this many such
+additions together, a relative ``gamma_128 = 7.6e-6`` on top of the
+``gamma_{rows + 2}`` of the micro-batch's own sum (for 256 rows the margin
+grows from ``1.9e-5`` to ``2.7e-5``). A rank whose logical batch holds more
+than ``FLOAT32_SUMS - world_size`` micro-batches adds the rest in float64
+(``ACCUMULATED_SUMS`` of them) and rounds the total once to float32 before
+the all-reduce: one more float32 rounding, counted in the same budget. With
+``world_size >= FLOAT32_SUMS`` the running sum is float64 throughout.
 """
 
 MAX_SIZE = 2**40
@@ -245,8 +265,12 @@ def clip_margin(
     dtype, multiplies and adds ``rows`` rows: every coordinate of a
     contribution grows by at most ``1 + gamma_{rows + 2}`` of that dtype
     (attributing each rounding to the terms it touches). Adding the
-    micro-batch sums and the ranks' sums in float64 adds ``gamma_N`` of
-    float64 with ``N = ACCUMULATED_SUMS``. ``scale`` is the product of these
+    micro-batch sums and the ranks' sums adds, in float64, ``gamma_N`` of
+    float64 with ``N = ACCUMULATED_SUMS``; for float32 accumulation the
+    margin takes ``gamma_{rows + 2 + K}`` of float32 with ``K =
+    FLOAT32_SUMS`` instead of ``gamma_{rows + 2}`` (a float32 running sum and
+    a float32 all-reduce, ``K`` additions in all) times the float64 growth
+    (the additions past ``K``, in float64). ``scale`` is the product of these
     growths and of ``1 + gamma_16`` of float64 for the arithmetic of the factor
     itself (and of per-group thresholds), so ``C / (scale * (n^ + floor))``
     times the computed contribution's growth is at most ``C``.
@@ -267,9 +291,9 @@ def clip_margin(
 
     Returns:
         :class:`ClipMargin` ``(scale, floor)``, Python floats: ``scale`` is
-        about ``1 + 1.5e-5`` for 256 float32 rows and ``1 + 1.2e-10`` in
-        float64 (``scale - 1`` grows with ``rows``; ``size=None`` adds up to
-        ``1.2e-4``).
+        about ``1 + 2.7e-5`` for 256 float32 rows (``1 + 1.2e-5`` for 16) and
+        ``1 + 1.2e-10`` in float64 (``scale - 1`` grows with ``rows``;
+        ``size=None`` adds up to ``1.2e-4``).
 
     Raises:
         ValueError: ``rows`` or ``size`` is not an int >= 0 / >= 1, or ``dtype``
@@ -294,7 +318,10 @@ def clip_margin(
     else:
         e_norm = 1 - (1 - _gamma(NORM_CHUNK + 2, torch.float32)) * (1 - float64_norm)
         floor = math.sqrt(size * 2.0**-125)
-        summed = (1 + _gamma(rows + 2, acc)) * (1 + _gamma(ACCUMULATED_SUMS, F64)) - 1
+        # float32 additions: the micro-batch's rows, then up to FLOAT32_SUMS running-sum and
+        # all-reduce additions; past those, float64 ones (see FLOAT32_SUMS)
+        summed = (1 + _gamma(rows + 2 + FLOAT32_SUMS, acc)) * (1 + _gamma(ACCUMULATED_SUMS, F64))
+        summed -= 1
     if e_norm >= 1 or summed == math.inf:  # not math.isinf: rows may be symbolic when compiled
         raise ValueError(
             f"rows={rows!r} and size={size!r} are too large for a rounding bound in {acc}"
@@ -694,9 +721,25 @@ def adaptive_clip_norm(
 
 
 class ClipState(NamedTuple):
-    """A clip mechanism's state between steps (held in ``TrainState.clip_state``)."""
+    """A clip mechanism's state between steps (held in ``TrainState.clip_state``).
 
-    clip_norm: Tensor  # shape (), float64: the clip norm of the next step
+    ``clip_norm`` (shape (), float64) is the clip norm of the next step, read
+    from ``norm``, the tensor the state holds, of shape ``(1,)`` (``ClipState(norm)``
+    takes a 0-d one too). Not 0-d because ``torch.compile`` gives every 0-d float64
+    CPU input a symbolic float for its value, and torch 2.13 specialises it after
+    tracing and traces the whole step again (a 1-d tensor gets no symbol);
+    checkpoints store the clip norm 0-d, as before.
+    """
+
+    norm: Tensor  # shape (1,), float64
+
+    @property
+    def clip_norm(self) -> Tensor:
+        """Shape (), float64: the clip norm of the next step (a view of ``norm``)."""
+        return self.norm.view(())
+
+    def __repr__(self) -> str:
+        return f"ClipState(clip_norm={self.clip_norm!r})"
 
 
 class ClipMechanism(NamedTuple):
@@ -732,7 +775,7 @@ def fixed_clipping(clip_norm: float) -> ClipMechanism:
     clip_norm = _check_clip_norm(clip_norm)
 
     def init() -> ClipState:
-        return ClipState(torch.tensor(clip_norm, dtype=F64))
+        return ClipState(torch.tensor([clip_norm], dtype=F64))
 
     def update(count: Tensor | None, count_noise: Tensor | None, state: ClipState) -> ClipState:
         return state
@@ -779,7 +822,7 @@ def adaptive_clipping(
                  high_open=True)  # fmt: skip
 
     def init() -> ClipState:
-        return ClipState(torch.tensor(start, dtype=F64))
+        return ClipState(torch.tensor([start], dtype=F64))
 
     def update(count: Tensor | None, count_noise: Tensor | None, state: ClipState) -> ClipState:
         if count is None or count_noise is None:
@@ -788,10 +831,9 @@ def adaptive_clipping(
                 "count=step.unclipped_count(state, stats) and count_noise"
             )
         noisy_count = count + count_noise_multiplier * count_noise
-        return ClipState(
-            adaptive_clip_norm(
-                state.clip_norm, noisy_count, expected_batch_size, target_quantile, learning_rate
-            )
+        moved = adaptive_clip_norm(
+            state.clip_norm, noisy_count, expected_batch_size, target_quantile, learning_rate
         )
+        return ClipState(moved.view(1))
 
     return ClipMechanism(init, update)

@@ -21,14 +21,18 @@ settings stay as they were:
 The settings are read when Dynamo traces (the first call, and any
 recompilation); applying them at every call keeps one setting for both.
 
-The compiled function receives 0-d float64 CPU tensors (a train state's
-clip norm) as 1-element views, and views them back to 0-d inside. Dynamo
-gives such an input a symbolic float for its value; when the graph never
-reads that value (a step without adaptive clipping passes the clip norm
-through), torch 2.13 specialises the symbol at the end of tracing and traces
-the whole function again: 25 s of the 103 s first call of a tiny BERT's
-compiled step, 7 s of the MLP's 32 s. A 1-d tensor gets no such symbol. The
-values, the aliasing and the results are the same.
+The compiled function receives 0-d float64 CPU tensors (adaptive
+clipping's clip norm, count and count noise, which the pieces take as
+arguments) as 1-element views, and views them back to 0-d inside. Dynamo
+gives every such input a symbolic float for its value (``FakeTensor.item_memo``),
+and torch 2.13, unable to turn the symbol back into a tensor when the graph
+does not read it through ``.item()``, specialises it at the end of tracing
+(AOTAutograd's ``tensorify_python_scalars`` pass) and traces the whole
+function again: 25 s of the 103 s first call of a tiny BERT's compiled step,
+7 s of the MLP's 32 s. A 1-d tensor gets no such symbol. The values, the
+aliasing and the results are the same. The train state holds its clip norm
+1-element for the same reason (:class:`dpfunc.clipping.ClipState`), so a plain
+``torch.compile(step)`` traces the step once too.
 
 A user who compiles a step with recurrent layers themselves
 (``torch.compile(step, fullgraph=True)``) without ``allow_rnn`` gets, from
@@ -124,6 +128,9 @@ def compile_fullgraph(fn: F) -> F:
     call; outside it, Dynamo's configuration is the caller's. 0-d float64
     CPU tensors among the arguments reach the graph as 1-element views (see
     the module docstring); ``fn`` sees them 0-d, as passed.
+    A ``ValueError`` or ``TypeError`` raised by code that Dynamo runs while
+    it traces (dpfunc's ghost planner and its checks) is raised as itself,
+    not wrapped in Dynamo's internal error.
     """
     compiled: dict[tuple, Callable] = {}  # by the arguments' structure
 
@@ -138,6 +145,14 @@ def compile_fullgraph(fn: F) -> F:
             )
         leaves = [x.view(1) if up else x for x, up in zip(leaves, lifted)]
         with torch._dynamo.config.patch(**dynamo_settings()):
-            return compiled[key](*leaves)
+            try:
+                return compiled[key](*leaves)
+            except torch._dynamo.exc.InternalTorchDynamoError as error:
+                # a ValueError or TypeError raised by code Dynamo runs while it traces (the ghost
+                # planner's checks, such as a batched loss that mixes examples) reaches the
+                # caller as itself, as it would eagerly
+                if isinstance(error.__context__, (ValueError, TypeError)):
+                    raise error.__context__ from None
+                raise
 
     return call  # type: ignore[return-value]

@@ -579,6 +579,61 @@ def average(x: Params, expected_batch_size: float) -> Params:
     return tree_map(lambda leaf: leaf / expected_batch_size, x)
 
 
+def noisy_average(
+    summed: Params, noise: Params, std: float | Tensor, expected_batch_size: float, params: Params
+) -> Params:
+    """``average(add_noise(summed, noise, std), expected_batch_size)`` in one pass per leaf.
+
+    The step's fused form of :func:`add_noise`, :func:`average` and the cast
+    to each parameter's accumulation dtype (float32 for half-precision
+    parameters): the same noise, added once to the clipped sum, and the same
+    division by the expected batch size; it reads nothing but its arguments.
+
+    * A float32 ``summed`` (the running sum of float32 or half parameters)
+      with float32 noise is noised and averaged in float32:
+      ``(summed + std * noise) / expected_batch_size``, equal to
+      :func:`add_noise` then :func:`average` to float32 rounding (the
+      product and the sum may be one fused rounding).
+    * A float64 ``summed`` (float64 parameters, or the float64 running sum of
+      :meth:`dpfunc.TrainStep.zeros`), or float64 noise (the secure draw), is
+      noised and averaged in float64 exactly as :func:`add_noise` and
+      :func:`average` define it on a float64 sum (``std * noise`` at the
+      noise's precision, the sum and the quotient rounded in float64) and
+      rounded only then, once, to the parameter's accumulation dtype: the
+      floating-point defence of the secure draw (module docstring) holds.
+
+    Eagerly the float64 form writes one float64 temporary and the output (no
+    float64 copy of the sum or noise); compiled, inductor fuses either form
+    into one kernel.
+
+    Args:
+        summed: the clipped sum of the logical batch, reduced over the ranks.
+        noise: the noise tree (standard normal, or the mechanism's draw).
+        std: ``noise_multiplier * clip_norm``, a float or a 0-d tensor.
+        expected_batch_size: the denominator, > 0.
+        params: the parameters (their dtypes only).
+    """
+    check_expected_batch_size(expected_batch_size)
+    compiling = torch.compiler.is_compiling()
+
+    def leaf(s: Tensor, z: Tensor, p: Tensor) -> Tensor:
+        out = torch.float64 if p.dtype == torch.float64 else torch.float32
+        if s.dtype != torch.float64 and z.dtype != torch.float64:  # float32 throughout
+            if isinstance(std, Tensor):
+                return (s + std * z).div_(expected_batch_size).to(out)
+            return torch.add(s, z, alpha=std).div_(expected_batch_size).to(out)
+        if compiling:
+            return ((s + std * z) / expected_batch_size).to(out)
+        # std * z at z's precision (as add_noise), widened exactly; then s + w and / B in float64
+        w = torch.mul(z, std, out=torch.empty(z.shape, dtype=torch.float64, device=z.device))
+        w.add_(s)
+        if out == torch.float64:
+            return w.div_(expected_batch_size)
+        return torch.div(w, expected_batch_size, out=torch.empty_like(w, dtype=out))
+
+    return tree_map(leaf, summed, noise, params)
+
+
 class NoiseState(NamedTuple):
     """A noise mechanism's state between steps (held in ``TrainState.noise_state``)."""
 

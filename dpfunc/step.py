@@ -29,13 +29,22 @@ Precision. A micro-batch's clipped sum is computed in the accumulation dtype
 (float32 for bf16, fp16 and float32 parameters, float64 for float64; see
 :func:`dpfunc.clipping.accumulation_dtype`), with clip factors whose rounding
 margin (:func:`dpfunc.clipping.clip_margin`) covers the norm's rounding and
-that sum's. The running sum of a logical batch, across micro-batches (and
-ranks, :mod:`dpfunc.distributed`), is float64, whose additions the margin
-covers too (``ACCUMULATED_SUMS``): every example's contribution to the sum
-the noise is added to has norm at most ``clip_norm``, rounding included.
-``apply`` adds the noise and averages in float64 and rounds only then, a
-post-processing of the noisy sum, to the parameters' dtype (float32 for
-half-precision parameters, whose optimizer state and update are float32).
+that sum's. The running sum of a logical batch in :meth:`TrainStep.logical_step`,
+across micro-batches and ranks (:mod:`dpfunc.distributed`), is in that dtype
+too, float32 for float32 and half parameters: the margin covers
+``FLOAT32_SUMS`` (128) float32 additions of micro-batch sums and ranks' sums
+together, a relative 7.6e-6 more (2.7e-5 in all for 256 rows). Only past that
+public bound (more than ``128 - world_size`` micro-batches on a rank), for
+float64 parameters, and for a :meth:`TrainStep.zeros` given no bound (a
+caller's own loop of :meth:`TrainStep.accumulate`, and ``step(...)``) is it
+float64, whose additions the margin covers too (``ACCUMULATED_SUMS``). Every
+example's contribution to the sum the noise is added to has norm at most
+``clip_norm``, rounding included. ``apply`` adds the noise, averages and
+rounds to the parameters' accumulation dtype in one pass per leaf: in float32
+for a float32 sum and noise, in float64 for a float64 sum or the float64
+secure noise, rounded once after the average; either way a post-processing
+of the noisy sum (float32 for half-precision parameters, whose optimizer
+state and update are float32).
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from torch import Tensor, nn
 from . import memory, optim
 from .checks import check_choice, check_devices, check_int
 from .clipping import (
+    FLOAT32_SUMS,
     ClippingPolicy,
     ClipState,
     accumulation_dtype,
@@ -68,11 +78,11 @@ from .compiling import check_allow_rnn, compile_fullgraph, recurrent_paths
 from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPING_MODES: kept importable here)
 from .ghost import GhostClipper, ghost_clip
 from .memory import check_memory_budget
-from .noise import NoiseState, add_noise, average, standard_normal_like
+from .noise import NoiseState, noisy_average, standard_normal_like
 from .per_sample import LossFn, batch_size, explain_example_error, per_sample_grads_and_losses
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_leaves, tree_map
 
-SUM_DTYPE = torch.float64  # the running clipped sum of a logical batch
+SUM_DTYPE = torch.float64  # a running clipped sum with no public bound on its micro-batches
 METHODS = ("auto", "vmap", "ghost")
 
 
@@ -217,7 +227,7 @@ class Collectives(NamedTuple):
     and many.
     """
 
-    # reduce(summed, step) -> the clipped sum over all ranks (float64, bit-identical on each)
+    # reduce(summed, step) -> the clipped sum over all ranks (in its dtype, bit-identical on each)
     reduce: Callable[[Params, Any], Params]
     # gather(stats, step) -> every rank's per-example stats, in rank order
     gather: Callable[[ExampleStats, Any], ExampleStats]
@@ -414,14 +424,41 @@ class TrainStep:
         """Adaptive clipping is on: the clip norm moves, in ``TrainState.clip_state``."""
         return self.target_quantile is not None
 
-    def zeros(self, params: Params) -> Params:
-        """An empty clipped sum, to start accumulating a logical batch: float64 zeros.
+    def zeros(self, params: Params, *, micro_batches: int | None = None) -> Params:
+        """An empty clipped sum, to start accumulating a logical batch.
 
-        The running sum is float64 whatever the parameters' dtype, so adding
-        micro-batch sums rounds each contribution by at most ``2**-53`` per
-        addition (covered by the clip margin, see the module docstring).
+        ``micro_batches``: a public bound on the micro-batch sums this rank
+        will add (shapes and settings, never the realised batch). Without it
+        the zeros are float64 whatever the parameters' dtype: a caller's own
+        loop of :meth:`accumulate` may add up to ``ACCUMULATED_SUMS``
+        micro-batch sums, each addition rounding a contribution by at most
+        ``2**-53``. With it, each parameter's zeros are in its accumulation
+        dtype (float32 for float32, bf16 and fp16; float64 for float64)
+        when ``micro_batches`` plus the ranks is at most
+        ``dpfunc.clipping.FLOAT32_SUMS`` (128), else float64. The clip margin
+        covers either (see the module docstring).
+
+        >>> import dpfunc, torch
+        >>> step = dpfunc.make_train_step(lambda p, x: (p["w"] * x).sum(), dpfunc.optim.sgd(lr=0.1),
+        ...     clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
+        >>> p = {"w": torch.zeros(3)}
+        >>> step.zeros(p)["w"].dtype, step.zeros(p, micro_batches=4)["w"].dtype
+        (torch.float64, torch.float32)
         """
-        return tree_map(lambda p: torch.zeros_like(p, dtype=SUM_DTYPE), params)
+        if micro_batches is not None:
+            check_int("micro_batches", micro_batches, minimum=0)
+        wide = micro_batches is None or micro_batches > self._float32_micro_batches()
+
+        def zeros(p: Tensor) -> Tensor:
+            return torch.zeros_like(p, dtype=SUM_DTYPE if wide else accumulation_dtype(p.dtype))
+
+        return tree_map(zeros, params)
+
+    def _float32_micro_batches(self) -> int:
+        """The micro-batch sums a float32 running sum may add on this rank: FLOAT32_SUMS less
+        the ranks, whose all-reduce adds theirs in the same dtype (public: the world size)."""
+        distributed = self.collectives.distributed and torch.distributed.is_initialized()
+        return FLOAT32_SUMS - (torch.distributed.get_world_size() if distributed else 1)
 
     def clip(
         self, params: Params, batch: PyTree, mask: Tensor | None, clip_norm: Tensor | None = None
@@ -665,11 +702,14 @@ class TrainStep:
     def all_reduce(self, summed: Params, *, step: int | Tensor | None = None) -> Params:
         """The clipped sum of the whole logical batch: ``summed`` summed over ranks.
 
-        The identity on one process. Distributed, ``summed`` is the float64
-        running sum of :meth:`zeros` and :meth:`accumulate`, and the
-        reduction adds in float64, whose rounding the clip margin covers
-        (``dpfunc.clipping.ACCUMULATED_SUMS`` counts micro-batches and ranks
-        together). Sharded, ``summed`` is this rank's sum of the whole model
+        The identity on one process. Distributed, ``summed`` is the running
+        sum of :meth:`zeros` and :meth:`accumulate`, and the reduction adds in
+        its dtype, whose rounding the clip margin covers: float32 from
+        :meth:`logical_step` for float32 and half parameters
+        (``dpfunc.clipping.FLOAT32_SUMS`` counts the float32 additions of
+        micro-batches and ranks together), float64 for float64 parameters or
+        from :meth:`zeros` without a bound (``ACCUMULATED_SUMS``). Every rank
+        must pass the same dtypes. Sharded, ``summed`` is this rank's sum of the whole model
         and the result this rank's rows of the total (a reduce-scatter).
         ``step`` only labels error messages.
         """
@@ -763,11 +803,16 @@ class TrainStep:
         :func:`dpfunc.clipping.adaptive_clip_norm`; a fixed clip norm stays.
         Nothing here reads the data beyond ``summed`` and ``count``.
 
-        The noise is added and the average taken in ``summed``'s dtype
-        (float64 from :meth:`zeros` and :meth:`accumulate`); the result is
-        rounded only then to each parameter's accumulation dtype (float32 for
-        half-precision parameters, whose optimizer state and update are
-        float32 too; see :mod:`dpfunc.optim`). ``state.opt_state`` is not read.
+        Noise, average and the cast to each parameter's accumulation dtype
+        (float32 for half-precision parameters, whose optimizer state and
+        update are float32 too; see :mod:`dpfunc.optim`) are one fused pass
+        per leaf (:func:`dpfunc.noise.noisy_average`): a float32 ``summed``
+        (:meth:`logical_step`'s running sum of float32 or half parameters)
+        with float32 noise is noised and averaged in float32; a float64
+        ``summed`` (float64 parameters, or :meth:`zeros` without a bound), or
+        the float64 secure noise, in float64, rounded once only after the
+        average. Either way every rounding comes after the noise: a
+        post-processing. ``state.opt_state`` is not read.
         """
         check_same_structure(noise, state.params, "noise", "params")
         check_same_structure(summed, state.params, "summed", "params")
@@ -784,10 +829,9 @@ class TrainStep:
         )
         clip_state = self.clip_mechanism.update(count, count_noise, state.clip_state)
         noise, noise_state = self.noise_mechanism.update(noise, state.noise_state)
-        private = average(add_noise(summed, noise, std), self.expected_batch_size)
-        # rounded only after the noise (a post-processing), to float32 for half-precision
-        # parameters: the optimizer keeps its state and forms its update in float32
-        private = tree_map(lambda u, p: u.to(accumulation_dtype(p.dtype)), private, state.params)
+        # one pass per leaf; rounded only after the noise (a post-processing), to float32 for
+        # half-precision parameters: the optimizer keeps its state and forms its update in float32
+        private = noisy_average(summed, noise, std, self.expected_batch_size, state.params)
         return private, clip_state, noise_state
 
     def draw_noise(
@@ -824,7 +868,9 @@ class TrainStep:
         """One private step on a logical batch held in any number of micro-batches.
 
         The one place where a logical step is written: each micro-batch's
-        clipped sum is accumulated in float64 (:meth:`accumulate`), the
+        clipped sum is accumulated (:meth:`accumulate`; float32 for float32
+        and half parameters up to ``FLOAT32_SUMS`` sums, see the module
+        docstring), the
         per-example stats are gathered over the ranks, ``before_release(stats)``
         runs (the Trainer checks non-finite examples and records the step
         with the accountant there: accounted before its release), and
@@ -898,19 +944,32 @@ class TrainStep:
         micro_batches: Iterable[tuple[PyTree, Tensor]],
         before_release: Callable[[ExampleStats], None] | None,
     ) -> tuple[Params, ExampleStats, Tensor | None]:
-        """This rank's float64 clipped sum, all ranks' stats, and adaptive clipping's count."""
+        """This rank's clipped sum, all ranks' stats, and adaptive clipping's count.
+
+        The running sum is float32 for float32 and half parameters (float64 for
+        float64 ones) for the first ``FLOAT32_SUMS - world_size`` micro-batches,
+        the count the clip margin covers; a longer logical batch adds the rest
+        in float64 and rounds the total once, back to float32, so every rank
+        hands the all-reduce the same dtype. With ``FLOAT32_SUMS`` ranks or
+        more it is float64 throughout.
+        """
         check_state(state)
         adaptive = (
             (state.clip_state.clip_norm,) if self.adaptive else ()
         )  # the clip norm it follows
         params = self.full_params(state)  # sharded: gathered once for all micro-batches
-        summed, stats = self.zeros(params), []
-        for batch, mask in micro_batches:
+        float32 = self._float32_micro_batches()  # public: FLOAT32_SUMS less the ranks
+        summed, stats = self.zeros(params, micro_batches=1), []
+        for i, (batch, mask) in enumerate(micro_batches):
+            if i == float32:  # past the float32 sums the margin covers: the rest in float64
+                summed = tree_map(lambda s: s.to(SUM_DTYPE), summed)
             try:
                 summed, part = self._accumulate(summed, params, batch, mask, *adaptive)
             except Exception as error:  # compiled: explained here (eagerly: in _clip)
                 raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
             stats.append(part)
+        if float32 > 0:  # rounded once if it went on in float64 (the margin counts it)
+            summed = tree_map(lambda s, p: s.to(accumulation_dtype(p.dtype)), summed, params)
         stats = ExampleStats.cat(stats) if stats else _no_stats(state.params)
         stats = self.gather_stats(stats, step=state.step)  # this rank's share -> the whole
         if before_release is not None:

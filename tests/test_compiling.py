@@ -119,3 +119,64 @@ def test_a_float64_scalar_argument_traces_once_and_reaches_fn_as_passed(monkeypa
     assert out["clip_norm"].item() == 1.5 and total.item() == 6.0
     torch.testing.assert_close(out["w"], torch.arange(3.0))
     torch._dynamo.reset()
+
+
+def _mlp_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(functional_call(model, (p, buffers), (xi[None],)), yi[None])
+
+    step = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.sgd(lr=0.1), clip_norm=1.0, noise_multiplier=1.0,
+        expected_batch_size=8, model=model,
+    )  # fmt: skip
+    batch = (torch.randn(8, 6), torch.randint(3, (8,)))
+    return step, step.init(params), batch, step.draw_noise(params, seed=0, step=0)
+
+
+def _traces(monkeypatch) -> list[torch.fx.GraphModule]:
+    """The graphs torch.compile passes to AOTAutograd from now on, one per trace.
+
+    A trace that Dynamo restarts reaches the backend again (the restart after
+    specialising a symbolic float is raised in AOTAutograd's pass).
+    """
+    traced = []
+    real = torch.compile
+
+    def backend(gm, example_inputs):
+        traced.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend=backend, **kw))
+    torch._dynamo.reset()
+    return traced
+
+
+@pytest.mark.slow
+def test_a_plain_torch_compile_of_a_step_traces_it_once(monkeypatch):
+    # the train state's clip norm is held 1-element (ClipState.norm): a 0-d float64 CPU input
+    # would get a symbolic float that torch specialises after tracing, tracing the step again
+    traced = _traces(monkeypatch)
+    step, state, batch, noise = _mlp_step()
+    eager, _ = step(state, batch, torch.ones(8), noise.params)
+    compiled, _ = torch.compile(step, fullgraph=True)(state, batch, torch.ones(8), noise.params)
+    assert len(traced) == 1
+    for k in eager.params:
+        torch.testing.assert_close(compiled.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
+    assert compiled.clip_norm.shape == () and compiled.clip_norm.item() == 1.0
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_a_steps_compiled_pieces_trace_once_each(monkeypatch):
+    traced = _traces(monkeypatch)
+    step, state, batch, noise = _mlp_step()
+    step.compile()
+    for t in range(2):  # the second step reuses both graphs
+        state, _ = step.logical_step(state, [(batch, torch.ones(8))], noise)
+        assert len(traced) == 2, t  # accumulate and apply_reduced, once each
+    torch._dynamo.reset()

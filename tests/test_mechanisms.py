@@ -178,7 +178,8 @@ def test_the_train_state_holds_each_mechanism_state_and_the_step_moves_it(settin
     step = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), config)
     state = step.init(params)
     assert isinstance(state.clip_state, ClipState) and isinstance(state.noise_state, NoiseState)
-    assert state.clip_norm is state.clip_state.clip_norm  # the earlier names still read
+    assert state.clip_norm.shape == () and state.clip_norm.dtype == torch.float64
+    assert torch.equal(state.clip_norm, state.clip_state.clip_norm)  # the earlier names read
     assert state.noise_history is state.noise_state.history
     noise = step.draw_noise(state.params, seed=SECRET, step=0)
     batch = [((x[:8], y[:8]), torch.ones(8))]

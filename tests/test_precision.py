@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.func import functional_call
 
@@ -269,3 +271,148 @@ def test_noise_for_half_parameters_is_drawn_in_float32():
     assert {k: v.dtype for k, v in noise.items()} == {"w": torch.float32, "b": torch.float32}
     w = noise["w"]
     assert bool((w.to(torch.bfloat16).float() != w).any())  # not a rounded bf16 Gaussian
+
+
+# --- the running sum of a logical batch: float32 within FLOAT32_SUMS, float64 where needed ---
+
+
+def linear_step(clip_norm=1.0, noise_multiplier=0.0, **settings):
+    """A step whose per-example gradient is the example itself (``loss = sum(p * x)``)."""
+    return dpfunc.make_train_step(
+        lambda p, x: (p["w"] * x).sum(), dpfunc.optim.sgd(lr=1.0), clip_norm=clip_norm,
+        noise_multiplier=noise_multiplier, expected_batch_size=1.0, method="vmap", **settings,
+    )  # fmt: skip
+
+
+def running_sum(step, params, micro_batches, noise=None):
+    """The clipped sum ``logical_step`` hands the all-reduce (and its state after the step)."""
+    seen = []
+
+    def spy(summed, *, step=None):
+        seen.append(summed)
+        return summed
+
+    step.all_reduce = spy
+    noise = noise or dpfunc.step.StepNoise(
+        {k: torch.zeros_like(v) for k, v in params.items()}, None
+    )
+    state, _ = step.logical_step(step.init(params), micro_batches, noise)
+    return seen[0], state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_running_sum_is_float32_for_float32_and_half_parameters(dtype):
+    params = {"w": torch.zeros(50, dtype=dtype)}
+    step = linear_step()
+    g = torch.Generator().manual_seed(0)
+    micro = [(torch.randn(4, 50, generator=g).to(dtype), torch.ones(4)) for _ in range(3)]
+    summed, _ = running_sum(step, params, micro)
+    assert summed["w"].dtype == dpfunc.clipping.accumulation_dtype(dtype)
+    # the public zeros: float64 without a bound, the accumulation dtype within FLOAT32_SUMS
+    assert step.zeros(params)["w"].dtype == torch.float64
+    bound = dpfunc.clipping.FLOAT32_SUMS - 1  # less one rank
+    assert step.zeros(params, micro_batches=bound)["w"].dtype == summed["w"].dtype
+    assert step.zeros(params, micro_batches=bound + 1)["w"].dtype == torch.float64
+
+
+def test_past_the_float32_bound_the_rest_is_added_in_float64_and_rounded_once(monkeypatch):
+    """A shrunken bound (4 sums) makes a logical batch of 6 micro-batches go on in float64:
+    the result is the float32 sum of the first 3, plus the rest in float64, rounded once."""
+    monkeypatch.setattr(dpfunc.step, "FLOAT32_SUMS", 4)
+    params = {"w": torch.zeros(300)}
+    step = linear_step(clip_norm=1e3)
+    g = torch.Generator().manual_seed(1)
+    micro = [(torch.randn(2, 300, generator=g) * 10.0**k, torch.ones(2)) for k in range(6)]
+    summed, _ = running_sum(step, params, micro)
+    assert summed["w"].dtype == torch.float32
+    parts = [step.clip(params, x, m)[0]["w"] for x, m in micro]
+    head = parts[0] + parts[1] + parts[2]  # float32, FLOAT32_SUMS - 1 micro-batches
+    expected = (head.double() + parts[3] + parts[4] + parts[5]).float()
+    assert torch.equal(summed["w"], expected)
+    assert not torch.equal(summed["w"], sum(parts[1:], parts[0]))  # not float32 throughout
+
+
+def test_the_float32_margin_covers_the_micro_batch_and_rank_additions():
+    u = 2.0**-24
+    for rows in (1, 16, 256, 1024):
+        scale = dpfunc.clipping.clip_margin(rows, torch.float32, size=536_000).scale
+        n = rows + 2 + dpfunc.clipping.FLOAT32_SUMS
+        assert scale - 1 >= n * u / (1 - n * u)  # gamma_n of float32, at least
+    # small: 2.7e-5 for 256 rows (1.9e-5 without the running sum), 1.2e-5 for 16
+    assert 2.6e-5 < dpfunc.clipping.clip_margin(256, size=536_000).scale - 1 < 2.8e-5
+    assert 1.2e-5 < dpfunc.clipping.clip_margin(16, size=536_000).scale - 1 < 1.3e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@settings(max_examples=8, deadline=None)
+@given(
+    size=st.integers(1, 3000),
+    micro_batches=st.sampled_from([1, 2, 40, 126, 127, 128, 160]),
+    rows=st.integers(1, 3),
+    kind=st.sampled_from(["constant", "random"]),
+    near=st.sampled_from([1 - 1e-6, 1.0, 1 + 1e-7, 1 + 1e-5, 3.0]),
+    log_clip=st.floats(-4, 4),
+    seed=st.integers(0, 2**16),
+)
+def test_identical_examples_through_many_micro_batches_stay_within_n_clip_norms(
+    dtype, size, micro_batches, rows, kind, near, log_clip, seed
+):
+    """Every row one copy of the same example, ``n`` of them in float32 running sums (past
+    127 micro-batches, float64): each copy's contribution, rounding included, is at most C,
+    so the computed sum's norm is at most ``n * C`` (constant entries: the roundings of the
+    running sum all lean one way)."""
+    clip_norm = 10.0**log_clip
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(size, generator=g, dtype=torch.float64)
+    if kind == "constant":
+        x = torch.ones(size, dtype=torch.float64)
+    x = (x / torch.linalg.vector_norm(x) * clip_norm * near).to(dtype)
+    params = {"w": torch.zeros(size, dtype=dtype)}
+    micro = [(x.expand(rows, size).clone(), torch.ones(rows)) for _ in range(micro_batches)]
+    summed, _ = running_sum(linear_step(clip_norm), params, micro)
+    assert summed["w"].dtype == torch.float32
+    total = float(torch.linalg.vector_norm(summed["w"].double()))
+    assert total <= micro_batches * rows * clip_norm
+
+
+def test_noisy_average_equals_add_noise_then_average():
+    g = torch.Generator().manual_seed(3)
+    params = {"a": torch.zeros(1000), "b": torch.zeros(7, dtype=torch.float64),
+              "h": torch.zeros(30, dtype=torch.bfloat16)}  # fmt: skip
+    s32 = {"a": torch.randn(1000, generator=g), "b": torch.randn(7, generator=g).double(),
+           "h": torch.randn(30, generator=g)}  # fmt: skip
+    z = {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in s32.items()}
+    for std in (1.3, torch.tensor(0.7, dtype=torch.float64)):
+        fused = dpfunc.noise.noisy_average(s32, z, std, 3.0, params)
+        plain = dpfunc.average(dpfunc.add_noise(s32, z, std), 3.0)
+        assert {k: v.dtype for k, v in fused.items()} == {
+            "a": torch.float32, "b": torch.float64, "h": torch.float32}  # fmt: skip
+        assert torch.equal(fused["b"], plain["b"])  # float64: the same operations
+        for k in ("a", "h"):  # to float32 rounding of the terms (the add may be fused)
+            scale = (s32[k].abs() + float(std) * z[k].abs()) / 3.0
+            assert bool(((fused[k] - plain[k]).abs() <= 4 * 2.0**-24 * scale).all())
+        # a float64 sum of the same values: the definition in float64, rounded once
+        wide = dpfunc.noise.noisy_average({k: v.double() for k, v in s32.items()}, z, std, 3.0,
+                                          params)  # fmt: skip
+        oracle = {k: ((s32[k].double() + std * z[k]) / 3.0) for k in s32}
+        for k in s32:
+            assert torch.equal(wide[k], oracle[k].to(wide[k].dtype))
+
+
+def test_secure_noise_on_a_float32_sum_is_added_in_float64_and_rounded_once():
+    """logical_step's float32 sum with the float64 secure draw equals the float64 definition:
+    the noise added to the (exact) sum in float64, averaged, and only then rounded."""
+    pytest.importorskip("cryptography")
+    params = {"w": torch.zeros(2000)}
+    step = linear_step(clip_norm=0.5, noise_multiplier=1.1)
+    g = torch.Generator().manual_seed(4)
+    micro = [(torch.randn(4, 2000, generator=g), torch.ones(4)) for _ in range(3)]
+    noise = step.draw_noise(params, seed=dpfunc.secret_seed(), step=0, secure=True)
+    assert noise.params["w"].dtype == torch.float64
+    summed, state = running_sum(step, params, micro, noise)
+    assert summed["w"].dtype == torch.float32
+    private = ((summed["w"].double() + 1.1 * 0.5 * noise.params["w"]) / 1.0).float()
+    assert torch.equal(state.params["w"], params["w"] - private)
+    # the same as the float64 running sum of step.zeros(params) would give for this sum
+    wide = step.apply(step.init(params), {"w": summed["w"].double()}, noise.params)
+    assert torch.equal(state.params["w"], wide.params["w"])

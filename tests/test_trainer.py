@@ -173,7 +173,9 @@ def test_noise_drawn_ahead_changes_no_bit(make, tiny_problem):
     state = step.init(params)
     batches = dpfunc.data.PoissonBatches(dataset, 20 / 120, 16, seed=trainer.seed)
     for t in range(trainer.steps_done):
-        summed = step.zeros(state.params)
+        # the Trainer's running sum: float32, as a public bound on the micro-batches allows
+        # (at most ceil(120 / 16) = 8 of them)
+        summed = step.zeros(state.params, micro_batches=8)
         for batch, mask in batches.logical_batch(t)[0]:
             summed, _ = step.accumulate(summed, state.params, batch, mask)
         state = step.apply(state, summed, dpfunc.standard_normal_like(params, trainer.seed, t))
