@@ -184,6 +184,9 @@ def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPl
         example = _rebuild(skeleton, iter(t[0] for t in leaves))
         batch = _rebuild(skeleton, iter(leaves))
         plan = _analysed_plan(clipper, dict(zip(names, params)), example, batch)
+        if plan.batched and clipper.method == "auto" and not timed:  # compiled: shapes only
+            rows = _torch_tree_leaves(batch)[0].shape[0]
+            plan = _cost_model(clipper, plan, dict(zip(names, params)), rows) or plan
         if timed and plan.modules:
             params = dict(zip(names, params))
             plan = _faster_of(clipper, plan, params, batch, rows)
@@ -210,7 +213,9 @@ def _analysed_plan(clipper: GhostClipper, params: Params, example, batch) -> Gho
     """The analysis pass's plan. A batched loss's ghosts every layer it can (a layer left
     to vmap would cost the batch a vmap pass) and runs batched where that is exact
     (:func:`~dpfunc.ghost.batched.batched_plan`); where it cannot, ``method="auto"``
-    plans again by the layers' costs."""
+    plans again by the layers' costs. ``method="auto"`` then chooses between this plan
+    and plain vmap as for a one-example loss: eagerly by the cost model and timings,
+    compiled by the cost model (:func:`_cost_model`)."""
     if not isinstance(clipper.loss_fn, BatchedLoss):
         return _analysed(clipper, params, example, clipper.method)
     plan = _analysed(clipper, params, example, "ghost")
