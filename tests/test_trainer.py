@@ -158,8 +158,11 @@ def test_default_seed_is_a_fresh_secret_and_a_given_one_reproduces(make):
     assert all(torch.equal(same[0].params[k], same[1].params[k]) for k in one.params)
 
 
-def test_noise_drawn_ahead_changes_no_bit(make, tiny_problem):
-    """The trainer draws step t+1's noise while step t runs; a plain loop draws it in turn."""
+@pytest.mark.parametrize("spare", [True, False], ids=["ahead", "in-step"])
+def test_noise_drawn_ahead_changes_no_bit(make, tiny_problem, monkeypatch, spare):
+    """The trainer draws step t+1's noise while step t runs where a core is spare, else in
+    the step; a plain loop draws it in turn."""
+    monkeypatch.setattr(dpfunc.step, "_spare_core", lambda params: spare)
     trainer = make(epochs=1)
     trainer.fit()
     loss_fn, params, dataset, _ = tiny_problem()
