@@ -999,7 +999,9 @@ class TrainStep:
         self._check_drawn(noise, state.step)  # before any collective: all raise alike
         clip_norm = state.clip_state.clip_norm if self.adaptive else None
         params = self.full_params(state)
-        summed, stats = self.accumulate(self.zeros(params), params, batch, mask, clip_norm)
+        micro, stats = self._clip(params, batch, mask, clip_norm, skip_padding=True)
+        # zeros() + accumulate(): one micro-batch's sum widened to float64 (exactly)
+        summed = tree_map(lambda m: m.to(SUM_DTYPE), micro)
         stats = self.gather_stats(stats, step=state.step)
         count = self.unclipped_count(state, stats) if self.adaptive else None
         return self.apply(state, summed, noise, count, count_noise), summarize(stats)
