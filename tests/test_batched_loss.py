@@ -216,3 +216,18 @@ def test_compiled_batched_step_equals_eager():
     for name in params:
         torch.testing.assert_close(compiled.params[name], eager.params[name], rtol=1e-5,
                                    atol=1e-6, msg=name)  # fmt: skip
+
+
+def test_layers_followed_by_in_place_activations():
+    """``nn.ReLU(inplace=True)`` changes a planned layer's output after it ran: the batched
+    pass differentiates a probe added to that output, not the output itself."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
+                          nn.ReLU(inplace=True), nn.Linear(8, 3)).double()  # fmt: skip
+    step, params = mixing_step(lambda logits, y: F.cross_entropy(logits, y, reduction="none"),
+                               model)  # fmt: skip
+    batch = (torch.randn(8, 6, dtype=torch.float64), torch.randint(3, (8,)))
+    got, got_stats = step.clip(params, batch, None)
+    assert [p.batched for p in step._ghost.plans.values()] == [True]
+    grads = dpfunc.per_sample_grads(step.loss_fn, params, batch)
+    torch.testing.assert_close(got_stats.norm, dpfunc.per_sample_norms(grads), rtol=1e-9, atol=0)

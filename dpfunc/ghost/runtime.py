@@ -54,20 +54,11 @@ def _probes(m: GhostModule, device: torch.device) -> tuple:
 class _Run:
     """Hook context of the ghost pass: adds the probes, records the inputs."""
 
-    def __init__(
-        self,
-        probes: dict[str, tuple],
-        rules: dict[str, Rule],
-        batched: bool = False,
-        capture: bool = False,
-    ):
+    def __init__(self, probes: dict[str, tuple], rules: dict[str, Rule], batched: bool = False):
         self.probes = probes
         self.rules = rules
         self.batched = batched  # the batched pass: probes are [B, ...], outputs may broadcast
         self.inputs: dict[str, list] = {}
-        # capture (the batched pass, eagerly): no probe is added; each call's output is kept
-        # (with its version) to be differentiated directly
-        self.outputs: list[tuple[str, Tensor, int]] | None = [] if capture else None
 
     def _next_call(self, path: str) -> int:
         calls = self.inputs.setdefault(path, [])
@@ -84,7 +75,7 @@ class _Run:
         if probes is None or isinstance(probes[0], dict):  # dict: run_unrolled did the work
             return None
         probe = probes[self._next_call(path)]
-        x, original = module_input(args, kwargs), output
+        x = module_input(args, kwargs)
         shared = self.batched and output.shape[0] == 1 and output.shape[1:] == probe.shape[1:]
         if shared:
             # one output shared by the whole batch (position embeddings of position ids
@@ -99,13 +90,7 @@ class _Run:
                 f"for {tuple(probe.shape)}"
             )
         self.inputs[path].append(x)
-        if self.outputs is None:
-            return output + probe
-        # eagerly, the output itself is differentiated: a leaf where nothing before it is
-        if not output.requires_grad:
-            output = output.detach().requires_grad_()
-        self.outputs.append((path, output, output._version))
-        return None if output is original else output
+        return output + probe
 
     def run_unrolled(self, path, module, args, kwargs):
         """A planned module that runs itself: its rule's forward, with a probe at every site."""
@@ -138,16 +123,18 @@ def batched_pass(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, ba
     """
     rows = batch_size(batch)
     device = next(iter(params.values())).device
-    # eagerly the outputs are differentiated themselves: the probes only carry their shapes
-    capture = not torch.compiler.is_compiling()
-    where = torch.device("meta") if capture else device
-    probes = {
-        m.path: tuple(torch.zeros((rows, *s[1:]), dtype=m.dtype, device=where) for s in m.probes)
-        for m in plan.modules
-    }
+    eager = not torch.compiler.is_compiling()
+
+    def probe(m: GhostModule, shape: tuple) -> Tensor:
+        shape = (rows, *shape[1:])
+        if eager:  # a zero of stride 0: nothing to fill; its gradient comes back dense
+            return torch.zeros((), dtype=m.dtype, device=device).expand(shape).requires_grad_()
+        return torch.zeros(shape, dtype=m.dtype, device=device)
+
+    probes = {m.path: tuple(probe(m, s) for s in m.probes) for m in plan.modules}
 
     def run_loss(probes) -> tuple[Tensor, _Run]:
-        run = _Run(probes, hooks.rules, batched=True, capture=capture)
+        run = _Run(probes, hooks.rules, batched=True)
         hooks.ctx = run
         try:
             losses = loss_fn.batched(params, batch)
@@ -161,31 +148,21 @@ def batched_pass(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, ba
         losses, run = run_loss(probes)
         return losses.sum(), (losses, run.inputs)
 
-    if capture:
+    if eager:  # plain autograd: no functorch wrapping of every operation
         with torch.enable_grad():
             losses, run = run_loss(probes)
-            out_grads = _output_gradients(losses, run)
+            flat = [p for calls in probes.values() for p in calls]
+            grads = iter(torch.autograd.grad(losses.sum(), flat, allow_unused=True))
+            out_grads = {
+                path: tuple(torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None
+                            else g for p, g in zip(calls, grads))
+                for path, calls in probes.items()
+            }  # fmt: skip
         inputs = tree_map(lambda t: t.detach(), run.inputs)  # the graph is no longer needed
     else:
         out_grads, (losses, inputs) = grad(total, has_aux=True)(probes)
     example_axis = lambda tree: tree_map(lambda t: t.unsqueeze(1), tree)  # noqa: E731
     return (example_axis(out_grads), {}), losses.detach(), example_axis(inputs)
-
-
-def _output_gradients(losses: Tensor, run: _Run) -> dict[str, tuple]:
-    """Each recorded output's gradient of the summed losses, by path and call (as probes')."""
-    if any(output._version != version for _, output, version in run.outputs):
-        raise RuntimeError(
-            "dpfunc ghost clipping: a planned layer's output was changed in place after the "
-            "layer ran, so its gradient would be that of the changed value; use a one-example "
-            "loss (without dpfunc.batched_loss) or method='vmap' for this model"
-        )
-    outputs = [output for _, output, _ in run.outputs]
-    grads = torch.autograd.grad(losses.sum(), outputs, allow_unused=True)
-    by_path: dict[str, list] = {}
-    for (path, output, _), g in zip(run.outputs, grads):
-        by_path.setdefault(path, []).append(torch.zeros_like(output) if g is None else g)
-    return {path: tuple(calls) for path, calls in by_path.items()}
 
 
 def _check_all_ran(run: _Run, probes: dict) -> None:
