@@ -43,9 +43,9 @@ from .runtime import ghost_clip
 
 __all__ = ["batched_plan", "layout_problem"]
 
-# relative agreement asked of the batched pass: its norms carry a rounding bound (about 1e-5
-# relative in float32) and are summed in another order than vmap's; mixing moves them by far more
-TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-3}
+# relative agreement asked of the batched pass: both passes carry the same rounding bounds and
+# differ only in the order of float sums (under 1e-5 in float32 on the tested models)
+TOLERANCE = {torch.float64: 1e-7, torch.float32: 1e-4}
 
 
 def layout_problem(plan: GhostPlan, hooks: GhostHooks) -> str:
