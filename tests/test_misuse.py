@@ -544,3 +544,34 @@ def test_a_relative_checkpoint_path_stays_the_same_file_after_chdir(tmp_path, ti
     finally:
         os.chdir(here)
     assert (tmp_path / "a" / "run.pt").exists() and not (tmp_path / "b" / "run.pt").exists()
+
+
+# ------------------------------------------------------------------ batched losses
+
+
+@pytest.mark.parametrize("reduce, match", [
+    (lambda each: each.mean(), "a 0-d loss is a reduction over the batch"),  # Opacus' default
+    (lambda each: each / each.mean(), "mixes the examples of a batch"),  # a [B] that mixes
+])  # fmt: skip
+def test_a_batched_loss_that_reduces_or_mixes_is_refused_before_anything_is_accounted(
+    reduce, match
+):
+    """A batched loss written with a habit from Opacus or HF (the batch's mean loss, or
+    losses normalised by it) is refused at the first backward, naming the fix; the step is
+    not accounted and no gradient is written."""
+    model = mlp()
+
+    @dpfunc.batched_loss
+    def losses(params, batch):
+        x, y = batch
+        each = F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
+        return reduce(each)
+
+    private = dpfunc.PrivateGradients(
+        model, losses, data(), expected_batch_size=EXPECTED, clip_norm=CLIP,
+        noise_multiplier=1.0, delta=1e-5, epochs=2,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        private.backward(next(iter(private.batches())))
+    assert private.epsilon(1e-5) == 0.0
+    assert all(p.grad is None for p in model.parameters())

@@ -221,7 +221,6 @@ def ghost_clip(
     covered = {k: v for k, v in params.items() if k in covered_names}
     other = {k: v for k, v in params.items() if k not in covered_names}
     device = next(iter(params.values())).device
-    probes = {m.path: _probes(m, device) for m in plan.modules}
     names = list(params)
 
     def example_loss(probes, other, covered, example):
@@ -244,6 +243,7 @@ def ghost_clip(
     if plan.batched:  # the model run once on the whole batch (dpfunc.ghost.batched checked it)
         (out_grads, other_grads), losses, inputs = batched_pass(loss_fn, hooks, plan, params, batch)
     else:
+        probes = {m.path: _probes(m, device) for m in plan.modules}
         per_example = vmap_over_examples(
             grad_and_value(example_loss, argnums=(0, 1), has_aux=True),
             in_dims=(None, None, None, 0),
