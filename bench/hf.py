@@ -313,7 +313,7 @@ def ghost_plan(train_step, names: list[str]) -> str | None:
     eagerly on a step that ran compiled, that plans anew with eager auto's timing, and can
     differ from the plan compiled into the graph."""
     try:
-        clipper = train_step._ghost
+        clipper = train_step.clip.ghost
         if clipper is None:
             return "vmap (no ghost path)"
         out = []

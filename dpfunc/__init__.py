@@ -17,6 +17,7 @@ from . import (
     report,
     schedules,
 )
+from .clipper import ExampleStats, summarize
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
 from .config import DPConfig
 from .functional import check_per_example, functionalize, replace_batchnorm
@@ -25,7 +26,7 @@ from .noise import add_noise, average, secret_seed, standard_normal_like
 from .per_sample import per_sample_grads, per_sample_grads_and_losses
 from .private import LogicalBatch, PrivateGradients
 from .report import PrivacyReport, privacy_report
-from .step import ExampleStats, TrainState, TrainStep, make_train_step, summarize
+from .step import TrainState, TrainStep, make_train_step
 from .trainer import Trainer
 
 __version__ = "0.1.0"

@@ -206,8 +206,8 @@ def _check_groups(groups: Groups, grads: PyTree) -> None:
 ACCUMULATED_SUMS = 2**20
 """Micro-batch sums plus ranks whose float64 additions :func:`clip_margin` covers.
 
-A float64 running sum (float64 parameters, :meth:`dpfunc.TrainStep.zeros`
-without a bound, or a float32 one past ``FLOAT32_SUMS``) adds micro-batch
+A float64 running sum (float64 parameters, or a float32 one past
+``FLOAT32_SUMS``) adds micro-batch
 sums and then the ranks' sums in float64; each addition can round every
 contribution by ``2**-53``. The number of micro-batches follows the realised
 Poisson batch, so the margin uses this fixed public count instead: about a
@@ -572,7 +572,7 @@ class ClippingPolicy(NamedTuple):
     take the groups from :meth:`groups` and weigh the sum by ``weights``, so
     the same norms give the same factors on either path.
 
-    Fields:
+    Args:
         mode: ``"flat"`` (all parameters as one vector), ``"per_layer"``
             (one norm per owning module, :func:`groups_by_module`, each
             bounded by ``C / sqrt(num_groups)`` or its own ``C_k``) or
@@ -828,7 +828,8 @@ def adaptive_clipping(
         if count is None or count_noise is None:
             raise ValueError(
                 "adaptive clipping releases the unclipped count with its own noise: pass "
-                "count=step.unclipped_count(state, stats) and count_noise"
+                "count (dpfunc.clipping.unclipped_count of the logical batch's norms) and "
+                f"count_noise (a standard normal); got count={count!r}, count_noise={count_noise!r}"
             )
         noisy_count = count + count_noise_multiplier * count_noise
         moved = adaptive_clip_norm(

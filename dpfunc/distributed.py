@@ -4,7 +4,7 @@ Every rank holds the whole model and a share of each logical batch. One
 private step on ``W`` ranks::
 
     every rank r:  its share of the Poisson batch (PoissonBatches(rank=r, world_size=W))
-                     -> accumulate: clipped sum S_r over its micro-batches      (local)
+                     -> step.clip: clipped sum S_r over its micro-batches       (local)
     all ranks:     all_reduce(SUM): S = S_0 + ... + S_{W-1}                     (the only
                                                                                collective)
     every rank:    S + noise_multiplier * clip_norm * z,  z = standard_normal_like(params,
@@ -59,10 +59,10 @@ between two collectives while the others wait (the first ``torch.compile``,
 detected by NCCL's watchdog, which by default aborts the process
 (``TORCH_NCCL_ASYNC_ERROR_HANDLING``) instead of raising.
 
-**torch.compile.** The collectives run eagerly. Compile the local pieces:
-``step.accumulate`` and ``step.apply_reduced`` (noise, average and update
-on an already reduced sum); :class:`dpfunc.Trainer` with ``compile=True``
-does this.
+**torch.compile.** The collectives run eagerly. ``step.compile()`` compiles
+the local pieces between them (each micro-batch's clipped sum; the noise,
+average and update of an already reduced sum); :class:`dpfunc.Trainer` with
+``compile=True`` does this.
 
 Usage (run with ``torchrun --nproc-per-node 2 script.py``)::
 
@@ -94,17 +94,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import optim
+from .clipper import ExampleStats
 from .config import DPConfig, config_from
 from .noise import SECRET_BITS, secret_seed
 from .per_sample import LossFn
-from .sharding import Sharding, check_elementwise, require_fsdp2
-from .step import Collectives, ExampleStats, TrainStep
+from .sharding import DrawnNoise, Sharding, check_elementwise, require_fsdp2
+from .step import Collectives, TrainStep
 from .tree import Params, PyTree, tree_leaves, tree_structure
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "CollectiveError",
-    "DistributedTrainStep",
     "ProcessInfo",
     "all_reduce_sum",
     "check_same_across_ranks",
@@ -512,7 +512,9 @@ def sharded_collectives(config: DPConfig, optimizer: optim.GradientTransformatio
     rank 0's parameters and keeps this rank's rows; ``unshard`` gathers the
     whole parameters, ``reduce`` reduce-scatters the clipped sum, ``gather``
     all-gathers the per-example stats (as :func:`collectives`), and
-    ``noise_rows`` names this rank's rows of the noise tree.
+    ``noise_rows`` names this rank's rows of the noise tree, and
+    ``record_noise`` / ``check_noise`` keep the step to the noise
+    ``draw_noise`` drew for them (:class:`dpfunc.sharding.DrawnNoise`).
 
     Raises:
         RuntimeError: no process group is initialised.
@@ -520,6 +522,7 @@ def sharded_collectives(config: DPConfig, optimizer: optim.GradientTransformatio
     _require_group("dpfunc.distributed.make_train_step(shard=True)")
     require_fsdp2("dpfunc.distributed.make_train_step(shard=True)")
     rank, world_size = rank_and_world_size()
+    drawn = DrawnNoise()  # what draw_noise drew for this rank's rows: the only noise it adds
     layouts: list[Sharding] = []  # the layout of the parameters init was called with
 
     def layout() -> Sharding:
@@ -557,6 +560,8 @@ def sharded_collectives(config: DPConfig, optimizer: optim.GradientTransformatio
         noise_rows=noise_rows,
         sharded=True,
         layout=layout,
+        record_noise=drawn.record,
+        check_noise=drawn.check,
     )
 
 
@@ -608,10 +613,10 @@ def make_train_step(
     num_examples`` of the whole dataset). It is a plain
     :class:`~dpfunc.TrainStep` with :func:`collectives` injected. Call
     everything on every rank: ``init`` broadcasts rank 0's parameters;
-    ``apply``, ``logical_step`` and ``__call__`` all-reduce the clipped
-    sums, then add the shared ``noise`` once (see the module docstring for
-    why no broadcast is needed); ``apply_reduced`` is the local rest
-    (noise, average, update), which compiles. With ``bands > 1`` the
+    ``step(...)``, ``logical_step`` and ``logical_gradient`` all-reduce the
+    clipped sums, then add the shared ``noise`` once (see the module
+    docstring for why no broadcast is needed); ``step.compile()`` compiles
+    the local pieces between the collectives. With ``bands > 1`` the
     correlated noise is the same on every rank too: it is a function of the
     shared standard-normal trees and of the noise history in the state,
     which every rank updates identically.
@@ -641,23 +646,3 @@ def make_train_step(
         memory_budget=memory_budget,
         collectives=chosen,
     )
-
-
-class _Replaced(type):
-    def __instancecheck__(cls, instance: Any) -> bool:
-        return isinstance(instance, TrainStep) and instance.distributed
-
-    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
-            "DistributedTrainStep is no longer a class of its own: use "
-            "dpfunc.distributed.make_train_step(loss_fn, optimizer, config), which returns a "
-            "dpfunc.TrainStep with the torch.distributed collectives injected"
-        )
-
-
-class DistributedTrainStep(metaclass=_Replaced):
-    """Replaced by :func:`make_train_step`, a :class:`~dpfunc.TrainStep` with collectives.
-
-    ``isinstance(step, DistributedTrainStep)`` still tells a distributed
-    step; building one raises a ``TypeError`` that names the replacement.
-    """

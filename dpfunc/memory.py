@@ -7,7 +7,7 @@ once, on top of what the non-private step holds. Those bytes are what a
 micro-batch in chunks of rows (:func:`chunk_for_budget`), so that at most one
 chunk's gradients are held at a time. The sum is the same up to the order of
 float additions, which the clip margin covers (see
-:meth:`dpfunc.TrainStep.clip`).
+:meth:`dpfunc.clipper.Clipper.__call__`).
 
 Everything here reads shapes and dtypes only, never values: the choices it
 makes are public.

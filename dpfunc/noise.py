@@ -550,7 +550,9 @@ def add_noise(summed: Params, noise: Params, std: float | Tensor) -> Params:
     dtype of ``summed``: a float64 (secure) noise tree on float32 parameters
     gives float32 results whose low bits are those of a rounded continuous
     Gaussian mechanism (see the module docstring). With noise in the
-    parameters' dtype (the default draw) the rounding is the identity.
+    parameters' dtype (the default draw) and a float ``std`` it is
+    ``torch.add(summed, noise, alpha=std)``, the operation the step runs, so
+    ``average(add_noise(...), B)`` equals the step's noisy average bit for bit.
 
     Args:
         summed: the clipped sum.
@@ -564,7 +566,14 @@ def add_noise(summed: Params, noise: Params, std: float | Tensor) -> Params:
     check_same_structure(noise, summed, "noise", "the clipped sum")
     if not isinstance(std, Tensor) and not (0 <= std < float("inf")):
         raise ValueError(f"std must be finite and >= 0, got std={std!r}")
-    return tree_map(lambda s, z: (s + std * z).to(s.dtype), summed, noise)
+
+    def leaf(s: Tensor, z: Tensor) -> Tensor:
+        if s.dtype != torch.float64 and z.dtype != torch.float64 and not isinstance(std, Tensor):
+            # the one operation noisy_average's float32 pass runs: the same bits
+            return torch.add(s, z, alpha=std).to(s.dtype)
+        return (s + std * z).to(s.dtype)
+
+    return tree_map(leaf, summed, noise)
 
 
 def average(x: Params, expected_batch_size: float) -> Params:
@@ -592,10 +601,11 @@ def noisy_average(
     * A float32 ``summed`` (the running sum of float32 or half parameters)
       with float32 noise is noised and averaged in float32:
       ``(summed + std * noise) / expected_batch_size``, equal to
-      :func:`add_noise` then :func:`average` to float32 rounding (the
-      product and the sum may be one fused rounding).
-    * A float64 ``summed`` (float64 parameters, or the float64 running sum of
-      :meth:`dpfunc.TrainStep.zeros`), or float64 noise (the secure draw), is
+      :func:`add_noise` then :func:`average` bit for bit with a float
+      ``std`` (the same ``torch.add(summed, noise, alpha=std)``), to float32
+      rounding with a tensor one.
+    * A float64 ``summed`` (float64 parameters), or float64 noise (the
+      secure draw), is
       noised and averaged in float64 exactly as :func:`add_noise` and
       :func:`average` define it on a float64 sum (``std * noise`` at the
       noise's precision, the sum and the quotient rounded in float64) and

@@ -35,12 +35,13 @@ from . import distributed as _distributed
 from .accounting import epsilon as _epsilon
 from .accounting import max_steps_within
 from .checks import check_int
+from .clipper import ExampleStats, summarize
 from .clipping import ACCUMULATED_SUMS
 from .config import DPConfig
 from .data import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .report import PrivacyReport, privacy_report, steps_within_budget
-from .step import ExampleStats, TrainState, TrainStep, check_nonfinite, make_train_step, summarize
+from .step import TrainState, TrainStep, check_nonfinite, make_train_step
 
 __all__ = ["PlannedRun", "RunPlan"]
 

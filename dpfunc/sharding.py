@@ -61,6 +61,9 @@ Build it with ``dpfunc.distributed.make_train_step(..., shard=True)``,
 from __future__ import annotations
 
 import math
+import threading
+import weakref
+from collections import deque
 from typing import Any
 
 import torch
@@ -71,6 +74,7 @@ from . import optim
 from .tree import Params, PyTree, tree_leaves, tree_structure
 
 __all__ = [
+    "DrawnNoise",
     "Sharding",
     "as_dtensors",
     "check_elementwise",
@@ -253,6 +257,50 @@ class Sharding:
                 mine[i] = out[offset : offset + math.prod(shape)].view(shape)
                 offset += size
         return self.treedef.unflatten(mine)
+
+
+class DrawnNoise:
+    """The noise trees a sharded step drew for its rows, so that no other noise is added.
+
+    ``standard_normal_like(state.params, ...)`` without ``rows`` gives every
+    rank with equally shaped rows the SAME noise, so the difference of two
+    ranks' released rows would be the difference of the clipped sums,
+    without noise; a tree drawn for another step adds the same noise twice,
+    so the difference of two releases holds none. :meth:`record` remembers
+    the last few trees ``step.draw_noise`` drew (by identity, weakly; a
+    worker thread may draw ahead) and :meth:`check` refuses any other.
+    """
+
+    def __init__(self, kept: int = 4):
+        self._drawn: deque[tuple[int, dict[int, weakref.ref]]] = deque(maxlen=kept)
+        self._lock = threading.Lock()  # NoiseAhead draws on a worker thread
+
+    def record(self, noise: PyTree, step: int) -> None:
+        """Remembers ``noise`` as this rank's draw for ``step``."""
+        drawn = {id(z): weakref.ref(z) for z in tree_leaves(noise)}
+        with self._lock:
+            self._drawn.append((int(step), drawn))
+
+    def check(self, noise: PyTree, step: int | Tensor) -> None:
+        """Raises ``ValueError`` unless every leaf of ``noise`` was drawn for ``step`` here."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "a sharded step checks its noise eagerly, before the compiled pieces run: "
+                "compile it with step.compile(), not torch.compile"
+            )
+        with self._lock:
+            drawn = list(self._drawn)
+        t = int(step)
+        for z in tree_leaves(noise):
+            if not any(at == t and d.get(id(z)) is not None and d[id(z)]() is z for at, d in drawn):
+                raise ValueError(
+                    f"a sharded step takes the noise of step {t} from step.draw_noise("
+                    f"state.params, seed=..., step={t}), which draws this rank's rows of the noise "
+                    "tree for that step; noise drawn otherwise (standard_normal_like("
+                    "state.params, ...) draws the first rows on every rank) or for another step "
+                    "would add the same noise twice and release differences of clipped sums "
+                    "without noise"
+                )
 
 
 def _buckets(leaves: list[Tensor]) -> dict[tuple[torch.dtype, torch.device], list[int]]:

@@ -2,14 +2,21 @@
 
 ::
 
-    per_sample_grads -> per_sample_norms -> clip_factors -> clipped_sum
-        -> add_noise -> average -> optimizer.update
+    clip (per micro-batch, dpfunc.clipper)  -> running clipped sum
+        -> collectives.reduce (the ranks' sums; the identity on one process)
+        -> noise once, average by the expected batch size -> optimizer.update
 
-A logical (Poisson) batch may arrive as several fixed-shape micro-batches:
-``accumulate`` adds each micro-batch's clipped sum, and ``apply`` adds the
-noise exactly once and updates the parameters. ``step(state, batch, mask,
-noise)`` does both for a logical batch that fits one micro-batch. All three
-are pure and compile with ``torch.compile(fullgraph=True)``.
+A :class:`TrainStep` has two doors: ``step(state, batch, mask, noise)`` for
+a logical (Poisson) batch held in one micro-batch, and
+:meth:`TrainStep.logical_step` for one held in any number of fixed-shape
+micro-batches; :meth:`TrainStep.logical_gradient` is the latter without the
+optimizer. Each checks its inputs once, clips and sums each micro-batch with
+``step.clip`` (:func:`dpfunc.clipper.make_clipper`: vmap or ghost clipping,
+which only change how fast), combines the ranks' sums through the injected
+:class:`Collectives`, adds the noise exactly once and updates. The local
+pieces between the collectives compile with ``torch.compile(fullgraph=True)``
+(:meth:`TrainStep.compile`), and on one process ``step(...)`` is pure and
+compiles whole.
 
 The mechanisms with state come from the config as ``(init, update)`` pairs:
 the noise (:meth:`DPConfig.noise_mechanism`: independent, or banded
@@ -18,43 +25,27 @@ adaptive). Their states live in the :class:`TrainState` beside the
 parameters, the optimizer state and the step count, so a step is one pure
 function of the state and a checkpoint of it resumes the run.
 
-Two ways to the clipped sum (``method``): ``"vmap"`` materialises every
-example's gradient; ``"ghost"`` (with ``model=``) gets the per-example norms and
-the clipped sum from each covered layer's inputs and output gradients without
-materialising per-example gradients (see :mod:`dpfunc.ghost`), falling back to
-vmap for the parameters it cannot handle; ``"auto"`` (the default) ghosts only
-the layers where that is cheaper. All give the same sum.
-
-Precision. A micro-batch's clipped sum is computed in the accumulation dtype
-(float32 for bf16, fp16 and float32 parameters, float64 for float64; see
-:func:`dpfunc.clipping.accumulation_dtype`), with clip factors whose rounding
-margin (:func:`dpfunc.clipping.clip_margin`) covers the norm's rounding and
-that sum's. The running sum of a logical batch in :meth:`TrainStep.logical_step`,
-across micro-batches and ranks (:mod:`dpfunc.distributed`), is in that dtype
-too, float32 for float32 and half parameters: the margin covers
+Rounding. A micro-batch's clipped sum is in the accumulation dtype (float32
+for bf16, fp16 and float32 parameters, float64 for float64; see
+:func:`dpfunc.clipping.accumulation_dtype`), with clip factors whose margin
+(:func:`dpfunc.clipping.clip_margin`) covers the norm's rounding and that
+sum's. The running sum of :meth:`TrainStep.logical_step` across micro-batches
+and ranks (:mod:`dpfunc.distributed`) is in that dtype too: the margin covers
 ``FLOAT32_SUMS`` (128) float32 additions of micro-batch sums and ranks' sums
-together, a relative 7.6e-6 more (2.7e-5 in all for 256 rows). Only past that
-public bound (more than ``128 - world_size`` micro-batches on a rank), for
-float64 parameters, and for a :meth:`TrainStep.zeros` given no bound (a
-caller's own loop of :meth:`TrainStep.accumulate`, and ``step(...)``) is it
-float64, whose additions the margin covers too (``ACCUMULATED_SUMS``). Every
-example's contribution to the sum the noise is added to has norm at most
-``clip_norm``, rounding included. ``apply`` adds the noise, averages and
-rounds to the parameters' accumulation dtype in one pass per leaf: in float32
-for a float32 sum and noise, in float64 for a float64 sum or the float64
-secure noise, rounded once after the average; either way a post-processing
-of the noisy sum (float32 for half-precision parameters, whose optimizer
-state and update are float32).
+together, a relative 7.6e-6 more (2.7e-5 in all for 256 rows). Past that
+public bound (more than ``128 - world_size`` micro-batches on a rank) and for
+float64 parameters it is float64, whose additions the margin covers too
+(``ACCUMULATED_SUMS``). Every example's contribution to the
+sum the noise is added to has norm at most ``clip_norm``, rounding included.
+The noise, the average and the rounding to the parameters' accumulation
+dtype are one pass per leaf (:func:`dpfunc.noise.noisy_average`), rounded
+once after the average: a post-processing of the noisy sum.
 """
 
 from __future__ import annotations
 
-import math
 import os
-import threading
 import warnings
-import weakref
-from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
@@ -63,37 +54,23 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from . import memory, optim
-from .checks import check_choice, check_devices, check_int
-from .clipping import (
-    FLOAT32_SUMS,
-    ClippingPolicy,
-    ClipState,
-    accumulation_dtype,
-    clipped_sum,
-    per_sample_norms,
-    rounding_scope,
-    unclipped_count,
-)
-from .compiling import check_allow_rnn, compile_fullgraph, recurrent_paths
-from .config import CLIPPING_MODES, DPConfig, config_from  # noqa: F401 (CLIPPING_MODES: kept importable here)
-from .ghost import GhostClipper, ghost_clip
-from .memory import check_memory_budget
+from . import optim
+from .clipper import ExampleStats, make_clipper, summarize
+from .clipping import FLOAT32_SUMS, ClipState, accumulation_dtype, unclipped_count
+from .compiling import compile_fullgraph
+from .config import DPConfig, config_from
 from .noise import NoiseState, noisy_average, standard_normal_like
-from .per_sample import LossFn, batch_size, explain_example_error, per_sample_grads_and_losses
-from .tree import Params, PyTree, check_same_structure, tree_add, tree_leaves, tree_map
+from .per_sample import LossFn, explain_example_error
+from .tree import Params, PyTree, check_same_structure, tree_add, tree_map
 
-SUM_DTYPE = torch.float64  # a running clipped sum with no public bound on its micro-batches
-METHODS = ("auto", "vmap", "ghost")
+SUM_DTYPE = torch.float64  # a running clipped sum past the float32 bound
 
 
 class TrainState(NamedTuple):
     """Everything a step reads and replaces: the parameters and each mechanism's state.
 
-    ``clip_norm`` and ``noise_history`` read the mechanisms' states (the
-    names of earlier releases). A state derived from another keeps the
-    mechanisms' states with ``state._replace(params=..., opt_state=...,
-    step=...)``.
+    A state derived from another keeps the mechanisms' states with
+    ``state._replace(params=..., opt_state=..., step=...)``.
     """
 
     params: Params  # the model's trainable parameters
@@ -102,16 +79,6 @@ class TrainState(NamedTuple):
     clip_state: ClipState  # config.clip_mechanism()'s: the clip norm of the next step
     # config.noise_mechanism()'s: the banded history (correlated noise), empty for DP-SGD
     noise_state: NoiseState = NoiseState()
-
-    @property
-    def clip_norm(self) -> Tensor:
-        """Shape (), float64: the clip norm of the next step (adaptive clipping moves it)."""
-        return self.clip_state.clip_norm
-
-    @property
-    def noise_history(self) -> Params:
-        """Each leaf ``[b - 1, *param.shape]``, the last correlated draws; ``{}`` for DP-SGD."""
-        return self.noise_state.history
 
 
 def check_state(state: Any) -> None:
@@ -133,50 +100,6 @@ def check_state(state: Any) -> None:
                 "one from another with state._replace(params=..., opt_state=..., step=...), "
                 "which keeps the mechanisms' states"
             )
-
-
-class ExampleStats(NamedTuple):
-    """What the step saw of each example; for monitoring, NOT private."""
-
-    loss: Tensor  # [B], each example's loss
-    norm: Tensor  # [B] float64, gradient norm before clipping
-    scaled: Tensor  # [B] bool, the gradient was scaled down (or dropped)
-    mask: Tensor  # [B] bool, a real example (not padding)
-
-    @staticmethod
-    def cat(stats: list[ExampleStats]) -> ExampleStats:
-        """Joins the stats of a logical batch's micro-batches."""
-        return ExampleStats(*(torch.cat(parts) for parts in zip(*stats)))
-
-
-def summarize(stats: ExampleStats) -> dict[str, Tensor]:
-    """Batch metrics from per-example stats (all 0-d tensors).
-
-    ``loss``: mean loss over real examples; ``batch_size``: the number of real
-    examples; ``clipped_fraction``: the fraction whose gradient was scaled
-    down; ``nonfinite``: examples dropped for a NaN/inf gradient;
-    ``norm_p10``, ``norm_p50``, ``norm_p90``, ``norm_max``: quantiles of the
-    finite pre-clipping norms (NaN when there are none).
-
-    These read the data without noise: they are NOT differentially private.
-    Log them for debugging; do not publish them as part of a private result.
-    """
-    real = stats.mask
-    count = real.sum()
-    denominator = count.clamp(min=1)
-    finite = torch.isfinite(stats.norm)
-    norms = torch.where(real & finite, stats.norm, torch.full_like(stats.norm, math.nan))
-    quantiles = torch.nanquantile(norms, norms.new_tensor([0.1, 0.5, 0.9, 1.0]))
-    return {
-        "loss": torch.where(real, stats.loss, torch.zeros_like(stats.loss)).sum() / denominator,
-        "batch_size": count,
-        "clipped_fraction": (stats.scaled & real).sum() / denominator,
-        "nonfinite": (~finite & real).sum(),
-        "norm_p10": quantiles[0],
-        "norm_p50": quantiles[1],
-        "norm_p90": quantiles[2],
-        "norm_max": quantiles[3],
-    }
 
 
 NONFINITE = ("warn", "error")
@@ -243,6 +166,11 @@ class Collectives(NamedTuple):
     sharded: bool = False
     # layout() -> the dpfunc.sharding.Sharding of the parameters (sharded steps only)
     layout: Callable[[], Any] = lambda: None
+    # record_noise(noise, step): draw_noise drew ``noise`` for ``step`` (sharded: remembered)
+    record_noise: Callable[[Params, int], None] = lambda noise, step: None
+    # check_noise(noise, step): raises unless a step may add ``noise`` (sharded: what
+    # draw_noise drew for this rank's rows and this step; see dpfunc.sharding.DrawnNoise)
+    check_noise: Callable[[Params, Any], None] = lambda noise, step: None
 
 
 def _identity(value: Any, *_: Any) -> Any:
@@ -255,10 +183,17 @@ LOCAL = Collectives(reduce=_identity, gather=_identity, start=_identity)
 class TrainStep:
     """A DP-SGD step; build it with :func:`make_train_step`.
 
+    Two doors, each read top to bottom: check the inputs once, clip and sum
+    each micro-batch (:attr:`clip`), combine the ranks' sums, noise once and
+    average, update. ``step(state, batch, mask, noise)`` takes a logical
+    batch held in one micro-batch; :meth:`logical_step` one held in any
+    number, and :meth:`logical_gradient` is it without the optimizer (the
+    private gradient :class:`dpfunc.PrivateGradients` writes into ``p.grad``).
+
     ``config`` (a :class:`~dpfunc.DPConfig` with its noise multiplier
     resolved) holds the privacy settings; ``model``, ``method``,
     ``chunk_size`` and ``memory_budget`` only change how fast (and in how
-    much memory) the same sum is computed.
+    much memory) :attr:`clip` computes the same sum (:func:`dpfunc.clipper.make_clipper`).
     ``collectives`` (:class:`Collectives`) combine the ranks' shares of a
     logical batch: :data:`LOCAL` on one process.
     """
@@ -288,49 +223,28 @@ class TrainStep:
             )
         config = config_from("TrainStep", config, settings)  # or its keyword form
         self.noise_std = config.noise_std  # fails for a config not yet calibrated
-        if chunk_size is not None:
-            check_int("chunk_size", chunk_size, minimum=1)
-        memory_budget = check_memory_budget(memory_budget)
-        check_choice("method", method, METHODS)
-        if model is not None and not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-        if method == "ghost" and model is None:
-            raise ValueError(
-                "method='ghost' needs model=, the nn.Module that loss_fn calls through "
-                "torch.func.functional_call; got model=None"
-            )
+        # clip(params, batch, mask, clip_norm) -> one micro-batch's clipped sum and stats
+        self.clip = make_clipper(
+            loss_fn,
+            config,
+            model=model,
+            method=method,
+            chunk_size=chunk_size,
+            memory_budget=memory_budget,
+        )
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
-        self.chunk_size = chunk_size
-        self.memory_budget = memory_budget
-        self._warned_budget = False
-        self.method = method
         self.collectives = collectives
-        # read by the pieces below; all come from the frozen config
         self.clip_norm = float(config.clip_norm)
         self.noise_multiplier = float(config.noise_multiplier)
         self.expected_batch_size = config.expected_batch_size
-        self.clipping = config.clipping
         # the mechanisms with state, built once from the config: their states live in the
         # TrainState, and the settings they hold are read-only properties below
         self.noise_mechanism = config.noise_mechanism()
         self.clip_mechanism = config.clip_mechanism()
-        use_ghost = model is not None and method != "vmap"
-        self._ghost = (
-            GhostClipper(
-                model, loss_fn, method, memory_budget=memory_budget, vmap_sum=self._timed_vmap
-            )
-            if use_ghost
-            else None
-        )
-        self._accumulate, self._apply_reduced = self.accumulate, self.apply_reduced
-        self._private_gradient = self.private_gradient
-        self._recurrent = recurrent_paths(model)  # checked when Dynamo traces the step
-        # sharded: the last trees draw_noise gave: (step, their leaves by id); see _check_drawn
-        self._drawn: deque[tuple[int, dict[int, weakref.ref]]] = deque(maxlen=4)
-        self._drawn_lock = threading.Lock()  # NoiseAhead draws on a worker thread
-        self._noise_checked = False  # set while an eager caller runs a checked piece
+        # the local pieces between the collectives, which compile() compiles
+        self._sum, self._update, self._release = self._accumulate, self._apply, self._private
 
     # the settings the mechanisms were built with: read-only, since changing one here
     # would not change the mechanism (build another step from another config)
@@ -340,6 +254,11 @@ class TrainStep:
     bands = property(lambda self: self.config.bands)
     # the strategy C with unit column norm: noise_multiplier is the accountant's
     coefficients = property(lambda self: self.config.coefficients)
+
+    @property
+    def adaptive(self) -> bool:
+        """Adaptive clipping is on: the clip norm moves, in ``TrainState.clip_state``."""
+        return self.target_quantile is not None
 
     @property
     def distributed(self) -> bool:
@@ -358,7 +277,7 @@ class TrainStep:
         (copies) after the ranks' settings are checked to agree.
         """
         params = self.collectives.start(params)
-        self.chunk_for(params, 1)  # warns of a chunk_size over memory_budget before any step
+        self.clip.chunk_for(params, 1)  # warns of a chunk_size over memory_budget before any step
         step = torch.zeros((), dtype=torch.int64)
         return TrainState(
             params,
@@ -368,20 +287,126 @@ class TrainStep:
             self.noise_mechanism.init(params),
         )
 
-    def compile(self) -> TrainStep:
-        """Compiles the local pieces; returns ``self``.
+    def __call__(
+        self,
+        state: TrainState,
+        batch: PyTree,
+        mask: Tensor | None,
+        noise: Params,
+        count_noise: Tensor | None = None,
+    ) -> tuple[TrainState, dict[str, Tensor]]:
+        """One private step on a logical batch held in one micro-batch (each rank's share).
 
-        :meth:`logical_step`, :meth:`logical_gradient` and :meth:`apply` then
-        run ``accumulate``, ``apply_reduced`` and ``private_gradient``
-        through ``torch.compile(fullgraph=True)``, with Dynamo's RNN support
-        on and logging calls in traced code left out, in a scope that ends
-        with each call (:func:`dpfunc.compiling.compile_fullgraph`); the
-        collectives between them run eagerly. The results are the same as
-        eager ones.
+        Args:
+            state: the state before the step.
+            batch: the micro-batch, each leaf ``[B, ...]``.
+            mask: ``[B]``, 1 for a real example, 0 for padding (``None``: all real).
+            noise: ``dpfunc.standard_normal_like(params, seed, step)`` (sharded:
+                :meth:`draw_noise`).
+            count_noise: adaptive clipping only: a standard normal 0-d float64
+                tensor (:meth:`draw_noise`'s ``count``).
+
+        Returns:
+            The new state and :func:`~dpfunc.clipper.summarize` of the whole
+            logical batch's stats (NOT private).
+
+        The same as :meth:`logical_step` on ``[(batch, mask)]``.
+        Distributed, the metrics and adaptive clipping's count cover the
+        whole logical batch (all ranks' stats). Pure on one process;
+        ``torch.compile(step, fullgraph=True)`` compiles it, and after
+        :meth:`compile` it runs the compiled pieces.
         """
-        self._accumulate = compile_fullgraph(self.accumulate)
-        self._apply_reduced = compile_fullgraph(self.apply_reduced)
-        self._private_gradient = compile_fullgraph(self.private_gradient)
+        self._check(state, noise, count_noise)
+        summed, stats, count = self._clipped_sum(state, [(batch, mask)], None)
+        reduced = self.collectives.reduce(summed, state.step)
+        return self._update(state, reduced, noise, count, count_noise), summarize(stats)
+
+    def logical_step(
+        self,
+        state: TrainState,
+        micro_batches: Iterable[tuple[PyTree, Tensor]],
+        noise: StepNoise,
+        *,
+        before_release: Callable[[ExampleStats], None] | None = None,
+    ) -> tuple[TrainState, ExampleStats]:
+        """One private step on a logical batch held in any number of micro-batches.
+
+        Args:
+            state: the state before the step (identical on every rank).
+            micro_batches: ``(batch, mask)`` pairs, this rank's share
+                (``PoissonBatches.logical_batch(t)[0]``).
+            noise: :meth:`draw_noise` for this step (the same on every rank).
+            before_release: called with the whole logical batch's stats
+                after the sums and before anything is released; raising
+                there releases nothing (the Trainer checks non-finite
+                examples and records the step with the accountant there).
+
+        Returns:
+            The new state and the whole logical batch's per-example stats
+            (:func:`~dpfunc.clipper.summarize` them; NOT private).
+
+        Privacy: an empty logical batch is a step too: its sum is zero and
+        its noise is added. The noise is added once, after the ranks' sums
+        are combined; adaptive clipping's count is of the whole logical batch.
+
+        Rounding: the running sum is float32 for float32 and half parameters
+        for the first ``FLOAT32_SUMS - world_size`` micro-batches (the count
+        the clip margin covers), float64 after them and for float64 parameters.
+
+        Raises:
+            TypeError, ValueError: the data does not fit the model (as
+                :attr:`clip`, compiled steps too), before ``before_release``:
+                nothing is accounted or released.
+
+        Under a caller's ``torch.inference_mode()`` the step runs with it off
+        (it needs autograd), so its outputs are ordinary tensors.
+        """
+        self._check(state, noise.params, noise.count)
+        with _outside_inference_mode():
+            summed, stats, count = self._clipped_sum(state, micro_batches, before_release)
+            reduced = self.collectives.reduce(summed, state.step)
+            return self._update(state, reduced, noise.params, count, noise.count), stats
+
+    def logical_gradient(
+        self,
+        state: TrainState,
+        micro_batches: Iterable[tuple[PyTree, Tensor]],
+        noise: StepNoise,
+        *,
+        before_release: Callable[[ExampleStats], None] | None = None,
+    ) -> tuple[Params, TrainState, ExampleStats]:
+        """:meth:`logical_step` without the optimizer: the private gradient of a logical batch.
+
+        The same sums, collectives, ``before_release`` and noise as
+        :meth:`logical_step`; returns ``(private, state, stats)``: ``private``
+        is ``(summed + noise_std * w) / expected_batch_size`` in each
+        parameter's accumulation dtype, ``state`` has the step counted and the
+        mechanisms' states moved (``params`` and ``opt_state`` as they were).
+        :class:`dpfunc.PrivateGradients` writes ``private`` into ``p.grad``.
+        """
+        self._check(state, noise.params, noise.count)
+        with _outside_inference_mode():
+            summed, stats, count = self._clipped_sum(state, micro_batches, before_release)
+            reduced = self.collectives.reduce(summed, state.step)
+            private, clip_state, noise_state = self._release(
+                state, reduced, noise.params, count, noise.count
+            )
+        state = state._replace(step=state.step + 1, clip_state=clip_state, noise_state=noise_state)
+        return private, state, stats
+
+    def compile(self) -> TrainStep:
+        """Compiles the local pieces of both doors; returns ``self``.
+
+        ``step(...)``, :meth:`logical_step` and :meth:`logical_gradient` then
+        run each micro-batch's sum and the noise, average and update through
+        ``torch.compile(fullgraph=True)``, with Dynamo's RNN support on and
+        logging calls in traced code left out, in a scope that ends with each
+        call (:func:`dpfunc.compiling.compile_fullgraph`); the collectives
+        between them run eagerly. The results are the same as eager ones.
+        """
+        self._sum = compile_fullgraph(self._accumulate)
+        self._update = compile_fullgraph(self._apply)
+        self._release = compile_fullgraph(self._private)
         return self
 
     def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
@@ -411,429 +436,7 @@ class TrainStep:
         """
         if self.sharded:  # the plan is of the whole parameters, as the pass sees them
             self.collectives.layout().check(params, whole=True)
-        if self._ghost is None:
-            why = (
-                "vmap: method='vmap'"
-                if self.method == "vmap"
-                else "vmap: ghost clipping needs model=, the nn.Module that loss_fn calls"
-            )
-            return dict.fromkeys(params, why)
-        return self._ghost.plan(params, batch).explain(params)
-
-    @property
-    def adaptive(self) -> bool:
-        """Adaptive clipping is on: the clip norm moves, in ``TrainState.clip_state``."""
-        return self.target_quantile is not None
-
-    def zeros(self, params: Params, *, micro_batches: int | None = None) -> Params:
-        """An empty clipped sum, to start accumulating a logical batch.
-
-        ``micro_batches``: a public bound on the micro-batch sums this rank
-        will add (shapes and settings, never the realised batch). Without it
-        the zeros are float64 whatever the parameters' dtype: a caller's own
-        loop of :meth:`accumulate` may add up to ``ACCUMULATED_SUMS``
-        micro-batch sums, each addition rounding a contribution by at most
-        ``2**-53``. With it, each parameter's zeros are in its accumulation
-        dtype (float32 for float32, bf16 and fp16; float64 for float64)
-        when ``micro_batches`` plus the ranks is at most
-        ``dpfunc.clipping.FLOAT32_SUMS`` (128), else float64. The clip margin
-        covers either (see the module docstring).
-
-        >>> import dpfunc, torch
-        >>> step = dpfunc.make_train_step(lambda p, x: (p["w"] * x).sum(), dpfunc.optim.sgd(lr=0.1),
-        ...     clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=8)
-        >>> p = {"w": torch.zeros(3)}
-        >>> step.zeros(p)["w"].dtype, step.zeros(p, micro_batches=4)["w"].dtype
-        (torch.float64, torch.float32)
-        """
-        if micro_batches is not None:
-            check_int("micro_batches", micro_batches, minimum=0)
-        wide = micro_batches is None or micro_batches > self._float32_micro_batches()
-
-        def zeros(p: Tensor) -> Tensor:
-            return torch.zeros_like(p, dtype=SUM_DTYPE if wide else accumulation_dtype(p.dtype))
-
-        return tree_map(zeros, params)
-
-    def _float32_micro_batches(self) -> int:
-        """The micro-batch sums a float32 running sum may add on this rank: FLOAT32_SUMS less
-        the ranks, whose all-reduce adds theirs in the same dtype (public: the world size)."""
-        distributed = self.collectives.distributed and torch.distributed.is_initialized()
-        return FLOAT32_SUMS - (torch.distributed.get_world_size() if distributed else 1)
-
-    def clip(
-        self, params: Params, batch: PyTree, mask: Tensor | None, clip_norm: Tensor | None = None
-    ) -> tuple[Params, ExampleStats]:
-        """The clipped sum of one micro-batch and its per-example stats.
-
-        ``clip_norm``: adaptive clipping's current norm (``state.clip_state.clip_norm``);
-        ``None`` clips at the fixed ``clip_norm`` the step was built with.
-        The sum is in the accumulation dtype of each parameter (float32 for
-        bf16, fp16 and float32, float64 for float64); the clip factors carry
-        the rounding margin for this micro-batch's rows, the gradients'
-        dtype and size (public: shapes and dtypes). Every row is
-        differentiated, padding too (:meth:`accumulate` leaves padding out).
-
-        Eagerly, a failure of the per-example pass is raised with its fix where
-        it is a misfit of the data and the model (a dtype, float labels, an
-        index out of range; :func:`dpfunc.per_sample.explain_example_error`),
-        chained to torch's error; it costs nothing until the pass fails.
-        """
-        return self._clip(params, batch, mask, clip_norm, skip_padding=False)
-
-    def _clip(
-        self,
-        params: Params,
-        batch: PyTree,
-        mask: Tensor | None,
-        clip_norm: Tensor | None,
-        skip_padding: bool,
-    ) -> tuple[Params, ExampleStats]:
-        clip = self.clip_norm if clip_norm is None else clip_norm
-        size = batch_size(batch)
-        if mask is None:
-            leaves = tree_leaves(batch)  # every row is real, on the batch's device
-            mask = torch.ones(size, dtype=torch.bool, device=leaves[0].device if leaves else None)
-        if tuple(mask.shape) != (size,):
-            raise ValueError(
-                f"mask must have shape ({size},) to match the batch, got {tuple(mask.shape)}"
-            )
-        mask = mask.to(torch.bool)
-        check_allow_rnn(self._recurrent)  # a user's torch.compile without allow_rnn
-        check_devices(params, batch)  # before the mask is read on the batch's device
-        if torch.compiler.is_compiling():
-            return self._clip_rows(params, batch, mask, clip, size)
-        try:
-            if skip_padding and size and not bool(mask.all()):
-                return self._clip_real_rows(params, batch, mask, clip)
-            return self._clip_rows(params, batch, mask, clip, size)
-        except Exception as error:  # a misfit of data and model: the error says the fix
-            raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
-
-    def _clip_real_rows(
-        self, params: Params, batch: PyTree, mask: Tensor, clip: float | Tensor
-    ) -> tuple[Params, ExampleStats]:
-        """Eagerly, a padded micro-batch's clipped sum from its real rows alone.
-
-        Padding contributes exactly 0 either way; leaving its rows out saves
-        their forward and backward (the Trainer pads a Poisson batch to its
-        mean plus 3 std: a fifth to a third of the rows). The rounding margin
-        still counts the physical rows (public), so no clip factor depends on
-        how many examples are real. Padding rows get loss 0, norm 0, not
-        scaled. The step's time then follows the realised batch size, as in
-        a loop that does not pad; a compiled step keeps the padded shape.
-        """
-        kept = mask.nonzero().squeeze(1)
-
-        def real(t: Any) -> Any:
-            return t.index_select(0, kept.to(t.device)) if isinstance(t, Tensor) else t
-
-        summed, stats = self._clip_rows(params, tree_map(real, batch), mask[kept], clip, len(mask))
-
-        def full(t: Tensor, fill: float | bool) -> Tensor:
-            return t.new_full(mask.shape, fill).index_put_((kept,), t)
-
-        loss, norm, scaled = full(stats.loss, 0.0), full(stats.norm, 0.0), full(stats.scaled, False)
-        return summed, ExampleStats(loss, norm, scaled, mask)
-
-    def _clip_rows(
-        self, params: Params, batch: PyTree, mask: Tensor, clip: float | Tensor, rows: int
-    ) -> tuple[Params, ExampleStats]:
-        """:meth:`clip` of ``batch`` with the rounding margin of ``rows`` physical rows."""
-        size = len(mask)
-        if size == 0:  # an empty share (e.g. one rank's): nothing to differentiate
-            dtype = next(iter(params.values())).dtype
-            empty = torch.zeros(0, dtype=dtype, device=mask.device)
-            stats = ExampleStats(empty, empty.to(torch.float64), mask, mask)
-            zeros = tree_map(
-                lambda p: p.new_zeros(p.shape, dtype=accumulation_dtype(p.dtype)), params
-            )
-            return zeros, stats
-        policy = ClippingPolicy(self.clipping)  # the same policy on both paths
-        if self._ghost is not None:
-            plan = self._ghost.plan(params, batch, rows)  # rows: padded, public
-            if plan.modules:
-                summed, losses, clipped = ghost_clip(
-                    self.loss_fn,
-                    self._ghost.hooks,
-                    plan,
-                    params,
-                    batch,
-                    mask,
-                    clipping=policy,
-                    clip_norm=clip,
-                    chunk_size=self.chunk_size,
-                    rows=rows,
-                )
-                return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
-        return self._vmap_rows(params, batch, mask, clip, rows, policy)
-
-    def _vmap_rows(
-        self,
-        params: Params,
-        batch: PyTree,
-        mask: Tensor,
-        clip: float | Tensor,
-        rows: int,
-        policy: ClippingPolicy,
-    ) -> tuple[Params, ExampleStats]:
-        """The vmap path's clipped sum of ``batch``, in chunks if :meth:`chunk_for` says so."""
-        size = len(mask)
-        chunk = self.chunk_for(params, rows)  # of the physical rows: public
-        if chunk is None or chunk >= size:
-            return self._vmap_clip(params, batch, mask, clip, rows, policy)
-        # chunk by chunk, so that one chunk's per-example gradients are held at a time. The
-        # chunks' sums are added in the accumulation dtype: a blocked summation of the rows,
-        # whose every contribution meets at most (chunk - 1) + (chunks - 1) <= rows - 1
-        # additions, within the margin's gamma_(rows + 2) for ``rows`` rows
-        summed, parts = None, []
-        for start in range(0, size, chunk):
-            rows_of = _row_slice(start, min(start + chunk, size))
-            part, stats = self._vmap_clip(
-                params, tree_map(rows_of, batch), mask[start : start + chunk], clip, rows, policy
-            )
-            summed = part if summed is None else tree_add(summed, part)
-            parts.append(stats)
-        return summed, ExampleStats.cat(parts)
-
-    def _timed_vmap(self, params: Params, batch: PyTree, mask: Tensor) -> Params:
-        """The vmap path's clipped sum as this step computes it (``method="auto"`` times it)."""
-        policy = ClippingPolicy(self.clipping)
-        return self._vmap_rows(params, batch, mask, self.clip_norm, len(mask), policy)[0]
-
-    def chunk_for(self, params: Params, rows: int) -> int | None:
-        """The rows per chunk of the vmap path for a micro-batch of ``rows`` rows (``None``: all).
-
-        An explicit ``chunk_size`` wins; it is warned about once if its
-        per-example gradients exceed ``memory_budget``. Otherwise
-        :func:`dpfunc.memory.chunk_for_budget`. Shapes only (public).
-        """
-        if self.chunk_size is not None:
-            if (
-                not self._warned_budget
-                and not torch.compiler.is_compiling()  # init() has warned already
-                and not memory.fits(params, self.chunk_size, self.memory_budget)
-            ):
-                self._warned_budget = True
-                need = memory.vmap_gradient_bytes(params, self.chunk_size)
-                warnings.warn(
-                    f"chunk_size={self.chunk_size} holds about {need:,} bytes of per-example "
-                    f"gradients at once, over memory_budget={self.memory_budget:,}; the "
-                    "explicit chunk_size is kept (leave it out to let the budget choose)",
-                    UserWarning,
-                    stacklevel=5,
-                )
-            return self.chunk_size
-        return memory.chunk_for_budget(params, rows, self.memory_budget)
-
-    def _vmap_clip(
-        self,
-        params: Params,
-        batch: PyTree,
-        mask: Tensor,
-        clip: float | Tensor,
-        rows: int,
-        policy: ClippingPolicy,
-    ) -> tuple[Params, ExampleStats]:
-        """The clipped sum of ``batch``'s rows from materialised per-example gradients."""
-        grads, losses = per_sample_grads_and_losses(self.loss_fn, params, batch)
-        groups = policy.groups(grads)
-        norms = per_sample_norms(grads, groups)
-        clipped = policy(norms, clip, mask, **rounding_scope(params, rows))
-        summed = clipped_sum(grads, clipped.weights, groups=groups)
-        return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
-
-    def accumulate(
-        self,
-        summed: Params,
-        params: Params,
-        batch: PyTree,
-        mask: Tensor | None,
-        clip_norm: Tensor | None = None,
-    ) -> tuple[Params, ExampleStats]:
-        """Adds one micro-batch's clipped sum to ``summed`` (``clip_norm``: as for :meth:`clip`).
-
-        Eagerly, the rows ``mask`` marks as padding are left out of the
-        forward and backward (:meth:`_clip_real_rows`); the sum is the same.
-        """
-        check_same_structure(summed, params, "summed", "params")
-        micro, stats = self._clip(params, batch, mask, clip_norm, skip_padding=True)
-        return tree_add(summed, micro), stats
-
-    def _check_drawn(self, noise: Params, step: Tensor) -> None:
-        """Sharded: refuses noise that :meth:`draw_noise` did not draw for these rows and step.
-
-        ``standard_normal_like(state.params, ...)`` without ``rows`` would
-        give every rank with equally shaped rows the SAME noise, so the
-        difference of two ranks' released rows would be the difference of
-        the clipped sums, without noise; a tree drawn for another step
-        would add the same noise twice, so the difference of two releases
-        would hold none.
-        """
-        if not self.sharded:
-            return
-        with self._drawn_lock:
-            drawn = list(self._drawn)
-        t = int(step)
-        for z in tree_leaves(noise):
-            if not any(at == t and d.get(id(z)) is not None and d[id(z)]() is z for at, d in drawn):
-                raise ValueError(
-                    f"a sharded step takes the noise of step {t} from step.draw_noise("
-                    f"state.params, seed=..., step={t}), which draws this rank's rows of the noise "
-                    "tree for that step; noise drawn otherwise (standard_normal_like("
-                    "state.params, ...) draws the first rows on every rank) or for another step "
-                    "would add the same noise twice and release differences of clipped sums "
-                    "without noise"
-                )
-
-    def _run_checked(self, piece: Callable[..., Any], *args: Any) -> Any:
-        """Runs a (possibly compiled) piece that takes noise, after its eager caller checked it."""
-        if not self.sharded:  # nothing to check: no state to set (a traced step stays pure)
-            return piece(*args)
-        self._noise_checked = True
-        try:
-            return piece(*args)
-        finally:
-            self._noise_checked = False
-
-    def unclipped_count(self, state: TrainState, stats: ExampleStats) -> Tensor:
-        """The count of unclipped examples in a logical batch: adaptive clipping's statistic."""
-        return unclipped_count(stats.norm, state.clip_state.clip_norm, stats.mask)
-
-    def all_reduce(self, summed: Params, *, step: int | Tensor | None = None) -> Params:
-        """The clipped sum of the whole logical batch: ``summed`` summed over ranks.
-
-        The identity on one process. Distributed, ``summed`` is the running
-        sum of :meth:`zeros` and :meth:`accumulate`, and the reduction adds in
-        its dtype, whose rounding the clip margin covers: float32 from
-        :meth:`logical_step` for float32 and half parameters
-        (``dpfunc.clipping.FLOAT32_SUMS`` counts the float32 additions of
-        micro-batches and ranks together), float64 for float64 parameters or
-        from :meth:`zeros` without a bound (``ACCUMULATED_SUMS``). Every rank
-        must pass the same dtypes. Sharded, ``summed`` is this rank's sum of the whole model
-        and the result this rank's rows of the total (a reduce-scatter).
-        ``step`` only labels error messages.
-        """
-        return self.collectives.reduce(summed, step)
-
-    def full_params(self, state: TrainState) -> Params:
-        """The whole parameters of ``state``: ``state.params``, or every rank's rows gathered.
-
-        Sharded (``shard=True``), ``state.params`` holds this rank's rows of
-        each parameter and this is collective: call it on every rank.
-        """
-        return self.collectives.unshard(state.params, state.step)
-
-    def gather_stats(
-        self, stats: ExampleStats, *, step: int | Tensor | None = None
-    ) -> ExampleStats:
-        """All ranks' per-example stats in rank order (this rank's on one process)."""
-        return self.collectives.gather(stats, step)
-
-    def apply(
-        self,
-        state: TrainState,
-        summed: Params,
-        noise: Params,
-        count: Tensor | None = None,
-        count_noise: Tensor | None = None,
-    ) -> TrainState:
-        """Reduces this rank's clipped sum over the ranks, then :meth:`apply_reduced`.
-
-        On one process the reduction is the identity. Distributed,
-        ``summed`` is THIS rank's clipped sum of its share, ``noise`` the
-        same on every rank (same seed and step), and ``count`` (adaptive
-        clipping) the whole logical batch's. Sharded, ``summed`` is this
-        rank's sum of the whole model and ``noise`` this rank's rows of the
-        noise tree, as :meth:`draw_noise` draws them (anything else is
-        refused).
-        """
-        check_state(state)
-        check_same_structure(noise, state.params, "noise", "params")
-        self._check_drawn(noise, state.step)
-        if not self.sharded:  # sharded: summed is whole, the reduce-scatter checks its shapes
-            check_same_structure(summed, state.params, "summed", "params")
-        reduced = self.all_reduce(summed, step=state.step)
-        return self._run_checked(self._apply_reduced, state, reduced, noise, count, count_noise)
-
-    def apply_reduced(
-        self,
-        state: TrainState,
-        summed: Params,
-        noise: Params,
-        count: Tensor | None = None,
-        count_noise: Tensor | None = None,
-    ) -> TrainState:
-        """Noises the logical batch's clipped sum once, averages, and updates.
-
-        :meth:`private_gradient`, then the optimizer's update of the
-        parameters. No collective, so it compiles with ``fullgraph=True``.
-        """
-        private, clip_state, noise_state = self.private_gradient(
-            state, summed, noise, count, count_noise
-        )
-        updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
-        params = optim.apply_updates(state.params, updates)
-        return TrainState(params, opt_state, state.step + 1, clip_state, noise_state)
-
-    def private_gradient(
-        self,
-        state: TrainState,
-        summed: Params,
-        noise: Params,
-        count: Tensor | None = None,
-        count_noise: Tensor | None = None,
-    ) -> tuple[Params, ClipState, NoiseState]:
-        """The private gradient of a logical batch: its clipped sum, noised once, averaged.
-
-        Returns ``(private, clip_state, noise_state)``: ``private`` is
-        ``(summed + noise_std * w) / expected_batch_size`` leaf by leaf, and
-        the mechanisms' next states. ``summed`` is the whole logical batch's
-        (already reduced over the ranks). The noise added is what the
-        config's noise mechanism (``self.noise_mechanism``) makes of
-        ``noise``, the step's independent standard-normal tree, and
-        ``state.noise_state``: the tree itself for DP-SGD, with ``bands > 1``
-        the correlated draw of the banded square root normalised to unit
-        column norm (:func:`~dpfunc.matrix_factorization.banded_noise`), its
-        history carried in the new state. The clip mechanism
-        (``self.clip_mechanism``) moves ``state.clip_state``: with adaptive
-        clipping it releases ``count`` (from :meth:`unclipped_count`) with
-        noise ``count_noise_multiplier * count_noise`` (``count_noise``: a
-        standard normal 0-d tensor from ``standard_normal_like(...,
-        stream="count")``) and updates the clip norm by
-        :func:`dpfunc.clipping.adaptive_clip_norm`; a fixed clip norm stays.
-        Nothing here reads the data beyond ``summed`` and ``count``.
-
-        Noise, average and the cast to each parameter's accumulation dtype
-        (float32 for half-precision parameters, whose optimizer state and
-        update are float32 too; see :mod:`dpfunc.optim`) are one fused pass
-        per leaf (:func:`dpfunc.noise.noisy_average`): a float32 ``summed``
-        (:meth:`logical_step`'s running sum of float32 or half parameters)
-        with float32 noise is noised and averaged in float32; a float64
-        ``summed`` (float64 parameters, or :meth:`zeros` without a bound), or
-        the float64 secure noise, in float64, rounded once only after the
-        average. Either way every rounding comes after the noise: a
-        post-processing. ``state.opt_state`` is not read.
-        """
-        check_same_structure(noise, state.params, "noise", "params")
-        check_same_structure(summed, state.params, "summed", "params")
-        if self.sharded and not self._noise_checked:  # called directly, not through apply
-            if torch.compiler.is_compiling():
-                raise RuntimeError(
-                    "a sharded step checks its noise eagerly, before the compiled pieces run: "
-                    "compile it with step.compile(), not torch.compile(step.apply_reduced)"
-                )
-            self._check_drawn(noise, state.step)
-        # adaptive clipping: this step's noise follows the clip norm it clipped at
-        std = (
-            self.noise_multiplier * state.clip_state.clip_norm if self.adaptive else self.noise_std
-        )
-        clip_state = self.clip_mechanism.update(count, count_noise, state.clip_state)
-        noise, noise_state = self.noise_mechanism.update(noise, state.noise_state)
-        # one pass per leaf; rounded only after the noise (a post-processing), to float32 for
-        # half-precision parameters: the optimizer keeps its state and forms its update in float32
-        private = noisy_average(summed, noise, std, self.expected_batch_size, state.params)
-        return private, clip_state, noise_state
+        return self.clip.explain(params, batch)
 
     def draw_noise(
         self, params: Params, *, seed: int, step: int, secure: bool | None = None
@@ -843,103 +446,39 @@ class TrainStep:
         A function of ``(seed, step)`` and the parameters' shapes only, never
         of the data, so it may be drawn ahead (the Trainer does, on a worker
         thread). The count's comes from its own stream (``stream="count"``).
-        ``secure=None`` follows ``config.secure_noise``.
+        ``secure=None`` follows ``config.secure_noise``. Sharded, it draws
+        this rank's rows of the tree, and the step takes no other noise.
         """
         secure = self.config.secure_noise if secure is None else secure
         rows = self.collectives.noise_rows(params)  # sharded: this rank's rows of the tree
         noise = standard_normal_like(params, seed=seed, step=step, secure=secure, rows=rows)
-        if self.sharded:
-            drawn = {id(z): weakref.ref(z) for z in tree_leaves(noise)}
-            with self._drawn_lock:
-                self._drawn.append((step, drawn))
+        self.collectives.record_noise(noise, step)
         if not self.adaptive:
             return StepNoise(noise, None)
         zero = {"count": torch.zeros((), dtype=torch.float64)}
         count = standard_normal_like(zero, seed=seed, step=step, secure=secure, stream="count")
         return StepNoise(noise, count["count"])
 
-    def logical_step(
-        self,
-        state: TrainState,
-        micro_batches: Iterable[tuple[PyTree, Tensor]],
-        noise: StepNoise,
-        *,
-        before_release: Callable[[ExampleStats], None] | None = None,
-    ) -> tuple[TrainState, ExampleStats]:
-        """One private step on a logical batch held in any number of micro-batches.
+    def full_params(self, state: TrainState) -> Params:
+        """The whole parameters of ``state``: ``state.params``, or every rank's rows gathered.
 
-        The one place where a logical step is written: each micro-batch's
-        clipped sum is accumulated (:meth:`accumulate`; float32 for float32
-        and half parameters up to ``FLOAT32_SUMS`` sums, see the module
-        docstring), the
-        per-example stats are gathered over the ranks, ``before_release(stats)``
-        runs (the Trainer checks non-finite examples and records the step
-        with the accountant there: accounted before its release), and
-        :meth:`apply` reduces the sum over the ranks and adds the noise once
-        (adaptive clipping's count, of the whole logical batch, with
-        ``noise.count``); the collectives are identities on one process. It
-        calls the public :meth:`accumulate` and :meth:`apply`, so a subclass
-        that changes them (an audit's deliberately broken step) is run as
-        written. An empty
-        logical batch is a step too: its sum is zero and its noise is added.
-        Uses the compiled pieces after :meth:`compile`.
-
-        Args:
-            state: the state before the step (identical on every rank).
-            micro_batches: ``(batch, mask)`` pairs, this rank's share
-                (``PoissonBatches.logical_batch(t)[0]``).
-            noise: :meth:`draw_noise` for this step (the same on every rank).
-            before_release: called with the whole logical batch's stats
-                after the sums and before anything is released; raising
-                there releases nothing.
-
-        Returns:
-            The new state and the whole logical batch's per-example stats
-            (:func:`summarize` them; NOT private).
-
-        Raises:
-            TypeError, ValueError: the data does not fit the model (as
-                :meth:`clip`, compiled steps too), before ``before_release``:
-                nothing is accounted or released.
-
-        Under a caller's ``torch.inference_mode()`` the step runs with it off
-        (it needs autograd), so its outputs are ordinary tensors.
+        Sharded (``shard=True``), ``state.params`` holds this rank's rows of
+        each parameter and this is collective: call it on every rank.
         """
-        self._check_drawn(noise.params, state.step)  # before any collective: all raise alike
-        with _outside_inference_mode():
-            summed, stats, count = self._logical_sum(state, micro_batches, before_release)
-            counts = (count, noise.count) if self.adaptive else ()
-            return self.apply(state, summed, noise.params, *counts), stats  # over the ranks
+        return self.collectives.unshard(state.params, state.step)
 
-    def logical_gradient(
-        self,
-        state: TrainState,
-        micro_batches: Iterable[tuple[PyTree, Tensor]],
-        noise: StepNoise,
-        *,
-        before_release: Callable[[ExampleStats], None] | None = None,
-    ) -> tuple[Params, TrainState, ExampleStats]:
-        """:meth:`logical_step` without the optimizer: the private gradient of a logical batch.
-
-        The same sums, collectives, ``before_release`` and noise as
-        :meth:`logical_step`; returns ``(private, state, stats)`` with
-        ``private`` from :meth:`private_gradient` (in each parameter's
-        accumulation dtype) and ``state`` with the step counted and the
-        mechanisms' states moved (``params`` and ``opt_state`` as they were).
-        :class:`dpfunc.PrivateGradients` writes ``private`` into ``p.grad``.
-        """
-        self._check_drawn(noise.params, state.step)
-        with _outside_inference_mode():
-            summed, stats, count = self._logical_sum(state, micro_batches, before_release)
-            reduced = self.all_reduce(summed, step=state.step)
-            counts = (count, noise.count) if self.adaptive else ()
-            private, clip_state, noise_state = self._run_checked(
-                self._private_gradient, state, reduced, noise.params, *counts
+    def _check(self, state: TrainState, noise: Params, count_noise: Tensor | None) -> None:
+        """Checks a door's inputs once, before any collective (so all ranks raise alike)."""
+        check_state(state)
+        check_same_structure(noise, state.params, "noise", "params")
+        if self.adaptive and count_noise is None:
+            raise ValueError(
+                "adaptive clipping releases the unclipped count with its own noise: pass "
+                "count_noise, a standard normal 0-d float64 tensor (step.draw_noise(...).count)"
             )
-        state = state._replace(step=state.step + 1, clip_state=clip_state, noise_state=noise_state)
-        return private, state, stats
+        self.collectives.check_noise(noise, state.step)  # sharded: drawn for these rows
 
-    def _logical_sum(
+    def _clipped_sum(
         self,
         state: TrainState,
         micro_batches: Iterable[tuple[PyTree, Tensor]],
@@ -947,64 +486,104 @@ class TrainStep:
     ) -> tuple[Params, ExampleStats, Tensor | None]:
         """This rank's clipped sum, all ranks' stats, and adaptive clipping's count.
 
-        The running sum is float32 for float32 and half parameters (float64 for
-        float64 ones) for the first ``FLOAT32_SUMS - world_size`` micro-batches,
-        the count the clip margin covers; a longer logical batch adds the rest
-        in float64 and rounds the total once, back to float32, so every rank
-        hands the all-reduce the same dtype. With ``FLOAT32_SUMS`` ranks or
-        more it is float64 throughout.
+        The running sum is float32 for float32 and half parameters for the
+        first ``FLOAT32_SUMS`` less the ranks (public) micro-batch sums; a
+        longer logical batch adds the rest in float64 and rounds the total
+        once, back to float32, so every rank hands the reduction the same
+        dtype. With ``FLOAT32_SUMS`` ranks or more it is float64 throughout.
         """
-        check_state(state)
-        adaptive = (
-            (state.clip_state.clip_norm,) if self.adaptive else ()
-        )  # the clip norm it follows
+        float32 = self._float32_micro_batches()
+        clip_norm = (state.clip_state.clip_norm,) if self.adaptive else ()  # the one it follows
         params = self.full_params(state)  # sharded: gathered once for all micro-batches
-        float32 = self._float32_micro_batches()  # public: FLOAT32_SUMS less the ranks
-        summed, stats = self.zeros(params, micro_batches=1), []
+        summed, stats = _zeros(params, wide=float32 < 1), []
         for i, (batch, mask) in enumerate(micro_batches):
             if i == float32:  # past the float32 sums the margin covers: the rest in float64
                 summed = tree_map(lambda s: s.to(SUM_DTYPE), summed)
-            try:
-                summed, part = self._accumulate(summed, params, batch, mask, *adaptive)
-            except Exception as error:  # compiled: explained here (eagerly: in _clip)
-                raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
+            summed, part = self._add(summed, params, batch, mask, clip_norm)
             stats.append(part)
         if float32 > 0:  # rounded once if it went on in float64 (the margin counts it)
             summed = tree_map(lambda s, p: s.to(accumulation_dtype(p.dtype)), summed, params)
-        stats = ExampleStats.cat(stats) if stats else _no_stats(state.params)
-        stats = self.gather_stats(stats, step=state.step)  # this rank's share -> the whole
+        stats = ExampleStats.cat(stats) if stats else ExampleStats.empty(state.params)
+        stats = self.collectives.gather(stats, state.step)  # this rank's share -> the whole
         if before_release is not None:
             before_release(stats)
+        if not self.adaptive:
+            return summed, stats, None
         # the whole logical batch's count, noised once from its own stream
-        count = self.unclipped_count(state, stats) if self.adaptive else None
-        return summed, stats, count
+        return summed, stats, unclipped_count(stats.norm, state.clip_state.clip_norm, stats.mask)
 
-    def __call__(
+    def _add(
+        self, summed: Params, params: Params, batch: PyTree, mask: Tensor, clip_norm: tuple
+    ) -> tuple[Params, ExampleStats]:
+        """:meth:`_accumulate` (compiled after :meth:`compile`), its failures explained."""
+        if torch.compiler.is_compiling():
+            return self._sum(summed, params, batch, mask, *clip_norm)
+        try:
+            return self._sum(summed, params, batch, mask, *clip_norm)
+        except Exception as error:  # compiled: explained here (eagerly: in clip)
+            raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
+
+    def _float32_micro_batches(self) -> int:
+        """The micro-batch sums a float32 running sum may add on this rank: FLOAT32_SUMS less
+        the ranks, whose reduction adds theirs in the same dtype (public: the world size)."""
+        distributed = self.collectives.distributed and torch.distributed.is_initialized()
+        return FLOAT32_SUMS - (torch.distributed.get_world_size() if distributed else 1)
+
+    def _accumulate(
         self,
-        state: TrainState,
+        summed: Params,
+        params: Params,
         batch: PyTree,
         mask: Tensor | None,
-        noise: Params,
-        count_noise: Tensor | None = None,
-    ) -> tuple[TrainState, dict[str, Tensor]]:
-        """One private step on a logical batch held in one micro-batch (each rank's share).
+        clip_norm: Tensor | None = None,
+    ) -> tuple[Params, ExampleStats]:
+        """Adds one micro-batch's clipped sum (padding rows left out, eagerly) to ``summed``."""
+        micro, stats = self.clip(params, batch, mask, clip_norm, skip_padding=True)
+        return tree_add(summed, micro), stats
 
-        The same as ``zeros``, one ``accumulate`` and ``apply``: the sum is
-        float64 before the noise. Distributed, the metrics and adaptive
-        clipping's count cover the whole logical batch (all ranks' stats).
-        Pure on one process; ``torch.compile(step, fullgraph=True)`` compiles it.
+    def _apply(
+        self,
+        state: TrainState,
+        summed: Params,
+        noise: Params,
+        count: Tensor | None = None,
+        count_noise: Tensor | None = None,
+    ) -> TrainState:
+        """:meth:`_private`, then the optimizer's update: the local rest of a step."""
+        private, clip_state, noise_state = self._private(state, summed, noise, count, count_noise)
+        updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
+        params = optim.apply_updates(state.params, updates)
+        return TrainState(params, opt_state, state.step + 1, clip_state, noise_state)
+
+    def _private(
+        self,
+        state: TrainState,
+        summed: Params,
+        noise: Params,
+        count: Tensor | None = None,
+        count_noise: Tensor | None = None,
+    ) -> tuple[Params, ClipState, NoiseState]:
+        """The logical batch's clipped sum (over all ranks), noised once and averaged.
+
+        ``(summed + noise_std * w) / expected_batch_size`` leaf by leaf, with
+        ``w`` what the noise mechanism makes of ``noise`` and
+        ``state.noise_state`` (``noise`` itself for DP-SGD; the banded
+        correlated draw with ``bands > 1``), and the mechanisms' next states
+        (adaptive clipping releases ``count`` with noise
+        ``count_noise_multiplier * count_noise``). Nothing here reads the data
+        beyond ``summed`` and ``count``. Noise, average and the cast to each
+        parameter's accumulation dtype are one fused pass per leaf
+        (:func:`dpfunc.noise.noisy_average`): every rounding comes after the
+        noise, a post-processing.
         """
-        check_state(state)
-        check_same_structure(noise, state.params, "noise", "params")
-        self._check_drawn(noise, state.step)  # before any collective: all raise alike
-        clip_norm = state.clip_state.clip_norm if self.adaptive else None
-        params = self.full_params(state)
-        micro, stats = self._clip(params, batch, mask, clip_norm, skip_padding=True)
-        # zeros() + accumulate(): one micro-batch's sum widened to float64 (exactly)
-        summed = tree_map(lambda m: m.to(SUM_DTYPE), micro)
-        stats = self.gather_stats(stats, step=state.step)
-        count = self.unclipped_count(state, stats) if self.adaptive else None
-        return self.apply(state, summed, noise, count, count_noise), summarize(stats)
+        # adaptive clipping: this step's noise follows the clip norm it clipped at
+        std = (
+            self.noise_multiplier * state.clip_state.clip_norm if self.adaptive else self.noise_std
+        )
+        clip_state = self.clip_mechanism.update(count, count_noise, state.clip_state)
+        noise, noise_state = self.noise_mechanism.update(noise, state.noise_state)
+        private = noisy_average(summed, noise, std, self.expected_batch_size, state.params)
+        return private, clip_state, noise_state
 
 
 class StepNoise(NamedTuple):
@@ -1104,16 +683,12 @@ def _refuse_resized(before: dict[str, torch.Size], now: dict[str, torch.Size]) -
     )
 
 
-def _row_slice(start: int, stop: int) -> Callable[[Any], Any]:
-    """Rows ``start:stop`` of a batch leaf (other leaves unchanged)."""
-    return lambda t: t[start:stop] if isinstance(t, Tensor) else t
-
-
-def _no_stats(params: Params) -> ExampleStats:
-    dtype = next(iter(params.values())).dtype
-    empty = torch.zeros(0, dtype=dtype)
-    flags = torch.zeros(0, dtype=torch.bool)
-    return ExampleStats(empty, empty.to(torch.float64), flags, flags)
+def _zeros(params: Params, *, wide: bool) -> Params:
+    """An empty clipped sum: float64 if ``wide``, else in each parameter's accumulation dtype."""
+    return tree_map(
+        lambda p: torch.zeros_like(p, dtype=SUM_DTYPE if wide else accumulation_dtype(p.dtype)),
+        params,
+    )
 
 
 def make_train_step(

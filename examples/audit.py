@@ -64,18 +64,14 @@ SMOKE = {"TARGET_EPSILONS": [1.0, 4.0], "RUNS": 3, "REALISED_RUNS": 200}
 class RealisedBatchStep(dpfunc.TrainStep):
     """Broken on purpose: divides the noisy sum by the realised batch size."""
 
-    def accumulate(self, summed, params, batch, mask):
-        summed, stats = super().accumulate(summed, params, batch, mask)
-        self.count = float(mask.sum())
-        return summed, stats
-
-    def apply(self, state, summed, noise):
-        noisy = dpfunc.add_noise(summed, noise, self.noise_std)
-        updates, opt_state = self.optimizer.update(
-            dpfunc.average(noisy, self.count), state.opt_state, state.params
-        )
+    def logical_step(self, state, micro_batches, noise, *, before_release=None):
+        parts = [self.clip(state.params, batch, mask) for batch, mask in micro_batches]
+        summed = {k: sum(part[k] for part, _ in parts) for k in state.params}
+        realised = sum(float(stats.mask.sum()) for _, stats in parts)
+        private = dpfunc.average(dpfunc.add_noise(summed, noise.params, self.noise_std), realised)
+        updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        return state._replace(params=params, opt_state=opt_state, step=state.step + 1)
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1), None
 
 
 def bound(canary, step, runs, *, seed=None, attacker_seed=None):

@@ -257,19 +257,18 @@ def test_skipped_clipping_is_caught(monkeypatch):
 
 
 class RealisedBatchSizeStep(dpfunc.TrainStep):
-    """Broken on purpose: averages over the realised batch size instead of the expected one."""
+    """Broken on purpose: averages over the realised batch size instead of the expected one.
 
-    def accumulate(self, summed, params, batch, mask):
-        summed, stats = super().accumulate(summed, params, batch, mask)
-        self.count = mask.sum()
-        return summed, stats
+    The logical step written with the public pieces, as a user might."""
 
-    def apply(self, state, summed, noise):
-        noisy = dpfunc.add_noise(summed, noise, self.noise_std)
-        private = dpfunc.average(noisy, float(self.count))
+    def logical_step(self, state, micro_batches, noise, *, before_release=None):
+        parts = [self.clip(state.params, batch, mask) for batch, mask in micro_batches]
+        summed = {k: sum(part[k] for part, _ in parts) for k in state.params}
+        realised = sum(float(stats.mask.sum()) for _, stats in parts)
+        private = dpfunc.average(dpfunc.add_noise(summed, noise.params, self.noise_std), realised)
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
-        return state._replace(params=params, opt_state=opt_state, step=state.step + 1)
+        return state._replace(params=params, opt_state=opt_state, step=state.step + 1), None
 
 
 def test_realised_batch_size_denominator_is_caught():

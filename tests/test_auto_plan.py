@@ -170,7 +170,7 @@ def test_the_cost_model_reads_the_padded_rows_not_the_real_ones():
         )  # fmt: skip
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            step.accumulate(step.zeros(params), params, (x, y), torch.arange(16) < real)
-        (plan,) = step._ghost.plans.values()
+            step.clip(params, (x, y), torch.arange(16) < real, skip_padding=True)
+        (plan,) = step.clip.ghost.plans.values()
         choices.append(sorted(set(plan.explain(list(params)).values())))
     assert choices[0] == choices[1]

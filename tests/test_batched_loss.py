@@ -83,7 +83,7 @@ def test_every_layer_family_equals_the_one_example_loss(case):
     want, want_stats = one.clip(params, batch, mask)
     fell_back = [w for w in caught if "runs one example at a time" in str(w.message)]
     ghosted = set(batched.explain(params, batch).values()) == {"ghost"}
-    assert [p.batched for p in batched._ghost.plans.values()] == [ghosted and not runs_itself]
+    assert [p.batched for p in batched.clip.ghost.plans.values()] == [ghosted and not runs_itself]
     assert bool(fell_back) == (ghosted and runs_itself)
     torch.testing.assert_close(got_stats.loss, want_stats.loss, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(got_stats.norm, want_stats.norm, rtol=1e-9, atol=1e-12)
@@ -163,7 +163,7 @@ def test_a_loss_that_mixes_examples_is_refused_before_release(losses_of, what):
 def test_a_gradient_that_cancels_in_both_passes_is_not_mixing():
     step, params = mixing_step(cancelled)
     summed, stats = step.clip(params, (torch.randn(8, 4), torch.randint(3, (8,))), None)
-    assert [p.batched for p in step._ghost.plans.values()] == [True]
+    assert [p.batched for p in step.clip.ghost.plans.values()] == [True]
     assert float(stats.norm.max()) < 1e-6
 
 
@@ -187,7 +187,7 @@ def test_dropout_trains_batched_and_the_check_sees_it_off():
                                model)  # fmt: skip
     batch = (torch.randn(8, 4), torch.randint(3, (8,)))
     summed, stats = step.clip(params, batch, None)
-    assert [p.batched for p in step._ghost.plans.values()] == [True]
+    assert [p.batched for p in step.clip.ghost.plans.values()] == [True]
     assert model.training and model[2].training  # modes restored after the check
     assert torch.isfinite(stats.norm).all()
 
@@ -195,7 +195,7 @@ def test_dropout_trains_batched_and_the_check_sees_it_off():
 def test_a_batch_of_one_keeps_the_vmap_pass():
     step, params = mixing_step(over_the_mean)
     summed, _ = step.clip(params, (torch.randn(1, 4), torch.randint(3, (1,))), None)
-    assert [p.batched for p in step._ghost.plans.values()] == [False]
+    assert [p.batched for p in step.clip.ghost.plans.values()] == [False]
 
 
 @pytest.mark.slow
@@ -212,7 +212,7 @@ def test_compiled_batched_step_equals_eager():
     noise = dpfunc.standard_normal_like(params, seed=0, step=0)
     eager, _ = step(state, (x, y), mask, noise)
     compiled, _ = compile_fullgraph(step)(state, (x, y), mask, noise)
-    assert all(p.batched for p in step._ghost.plans.values())
+    assert all(p.batched for p in step.clip.ghost.plans.values())
     for name in params:
         torch.testing.assert_close(compiled.params[name], eager.params[name], rtol=1e-5,
                                    atol=1e-6, msg=name)  # fmt: skip
@@ -228,6 +228,6 @@ def test_layers_followed_by_in_place_activations():
                                model)  # fmt: skip
     batch = (torch.randn(8, 6, dtype=torch.float64), torch.randint(3, (8,)))
     got, got_stats = step.clip(params, batch, None)
-    assert [p.batched for p in step._ghost.plans.values()] == [True]
+    assert [p.batched for p in step.clip.ghost.plans.values()] == [True]
     grads = dpfunc.per_sample_grads(step.loss_fn, params, batch)
     torch.testing.assert_close(got_stats.norm, dpfunc.per_sample_norms(grads), rtol=1e-9, atol=0)

@@ -20,6 +20,7 @@ from torch.func import functional_call
 
 import dpfunc
 from dpfunc.clipping import accumulation_dtype
+from dpfunc.step import StepNoise
 
 ROWS, MICRO_BATCHES = 4, 3
 NEAR = [1 - 1e-5, 1 - 1e-6, 1 - 1e-7, 1.0, 1 + 1e-7, 1 + 1e-6, 1 + 1e-5, 2.0]
@@ -44,22 +45,29 @@ def gradient(size, kind, clip_norm, near, scale, dtype, seed):
 
 
 def contribution(step, params, x, seed):
-    """The float64 running sum of a logical batch whose only real example is ``x``."""
+    """What a logical batch whose only real example is ``x`` releases without noise.
+
+    ``step.logical_gradient`` with ``noise_multiplier=0`` and an expected batch size of 1:
+    the running sum of its micro-batches (padding around ``x``), rounded as released.
+    """
     g = torch.Generator().manual_seed(seed)
     where = int(torch.randint(MICRO_BATCHES * ROWS, (1,), generator=g))
-    summed = step.zeros(params)
+    micro_batches = []
     for m in range(MICRO_BATCHES):
         others = torch.randn(ROWS, x.numel(), generator=g, dtype=torch.float64) * 3
         batch, mask = others.to(x.dtype), torch.zeros(ROWS)
         if where // ROWS == m:
             batch[where % ROWS], mask[where % ROWS] = x, 1.0
-        summed, _ = step.accumulate(summed, params, batch, mask)
-    assert all(v.dtype == torch.float64 for v in summed.values())
-    return summed
+        micro_batches.append((batch, mask))
+    noise = StepNoise(tree_zeros(params), None)
+    private, _, _ = step.logical_gradient(step.init(params), micro_batches, noise)
+    return private
 
 
 def norm64(tree):
-    return float(torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in tree.values()])))
+    return float(
+        torch.linalg.vector_norm(torch.cat([v.reshape(-1).double() for v in tree.values()]))
+    )
 
 
 cases = dict(
@@ -96,7 +104,7 @@ def test_one_example_contribution_is_within_the_clip_norm(
     if clipping == "per_layer":
         for k in summed:
             assert norm64({k: summed[k]}) <= clip_norm / math.sqrt(2)
-    state = step.apply(step.init(params), summed, tree_zeros(params))  # the update still runs
+    state, _ = step(step.init(params), x[None], None, tree_zeros(params))  # the update runs
     assert all(state.params[k].dtype == dtype for k in params)
 
 
@@ -128,8 +136,9 @@ def test_one_example_contribution_is_within_the_clip_norm_by_ghost_clipping(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_single_micro_batch_step_equals_zeros_accumulate_apply(dtype):
-    """``step(state, ...)`` sums in float64 and rounds after the noise, like the long way."""
+def test_single_micro_batch_step_is_the_pieces_composed(dtype):
+    """``step(state, ...)``: the micro-batch's clipped sum in its accumulation dtype, the noise
+    added and averaged, rounded once to the parameters' dtype after the update."""
     size, clip_norm = 3000, 0.7
     params = {"w": torch.randn(size, dtype=torch.float64).to(dtype)}
 
@@ -143,16 +152,12 @@ def test_single_micro_batch_step_equals_zeros_accumulate_apply(dtype):
     batch = (torch.randn(ROWS, size, dtype=torch.float64) * 0.05).to(dtype)
     mask = torch.tensor([1.0, 0.0, 1.0, 1.0])
     noise = dpfunc.standard_normal_like(params, seed=5, step=0)  # public: a test
-    state = step.init(params)
-    short, _ = step(state, batch, mask, noise)
-    summed, _ = step.accumulate(step.zeros(params), params, batch, mask)
-    long = step.apply(state, summed, noise)
+    short, _ = step(step.init(params), batch, mask, noise)
+    summed, _ = step.clip(params, batch, mask, skip_padding=True)
     assert short.params["w"].dtype == dtype
-    assert torch.equal(short.params["w"], long.params["w"])
-    # the oracle: noise added to the float64 sum, averaged, and only then rounded, to float32
-    # for bf16 (the optimizer's dtype); the parameter is rounded once, after the update
-    private = ((summed["w"] + 1.3 * clip_norm * noise["w"]) / 3.0).to(accumulation_dtype(dtype))
-    assert torch.equal(long.params["w"], (params["w"] - private * 0.5).to(dtype))
+    assert summed["w"].dtype == accumulation_dtype(dtype)
+    private = dpfunc.average(dpfunc.add_noise(summed, noise, 1.3 * clip_norm), 3.0)
+    assert torch.equal(short.params["w"], (params["w"] - private["w"] * 0.5).to(dtype))
 
 
 def test_the_margin_compiles_for_a_dynamic_batch_size():

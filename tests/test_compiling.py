@@ -93,8 +93,8 @@ def test_a_steps_compile_compiles_each_piece_the_dpfunc_way(monkeypatch):
         loss_fn, dpfunc.optim.sgd(lr=0.5), clip_norm=0.5, noise_multiplier=1.0,
         expected_batch_size=8, model=model,
     ).compile()  # fmt: skip
-    assert [fn.__name__ for fn in wrapped] == ["accumulate", "apply_reduced", "private_gradient"]
-    assert step._accumulate is wrapped[0]
+    assert [fn.__name__ for fn in wrapped] == ["_accumulate", "_apply", "_private"]
+    assert (step._sum, step._update, step._release) == tuple(wrapped)
 
 
 def test_a_float64_scalar_argument_traces_once_and_reaches_fn_as_passed(monkeypatch):
@@ -167,7 +167,8 @@ def test_a_plain_torch_compile_of_a_step_traces_it_once(monkeypatch):
     assert len(traced) == 1
     for k in eager.params:
         torch.testing.assert_close(compiled.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
-    assert compiled.clip_norm.shape == () and compiled.clip_norm.item() == 1.0
+    assert compiled.clip_state.clip_norm.shape == ()
+    assert compiled.clip_state.clip_norm.item() == 1.0
     torch._dynamo.reset()
 
 
@@ -178,5 +179,5 @@ def test_a_steps_compiled_pieces_trace_once_each(monkeypatch):
     step.compile()
     for t in range(2):  # the second step reuses both graphs
         state, _ = step.logical_step(state, [(batch, torch.ones(8))], noise)
-        assert len(traced) == 2, t  # accumulate and apply_reduced, once each
+        assert len(traced) == 2, t  # the micro-batch sum and the update, once each
     torch._dynamo.reset()

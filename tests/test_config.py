@@ -16,7 +16,7 @@ import dpfunc
 from dpfunc import accounting
 from dpfunc.accounting import combined_noise_multiplier
 from dpfunc.data import PoissonBatches
-from dpfunc.step import LOCAL, TrainStep
+from dpfunc.step import TrainStep
 from dpfunc.tree import tree_leaves
 
 SEED = 1234  # public: these runs are compared, not private
@@ -317,23 +317,6 @@ def test_an_unknown_keyword_is_refused_with_the_valid_names(trainer, problem):
     with pytest.raises(TypeError, match=r"\['epoch'\]") as caught:
         trainer(**BASE, epoch=1)
     assert all(repr(name) in str(caught.value) for name in names)
-
-
-# -- the replaced distributed step class -----------------------------------------------
-
-
-def test_distributed_train_step_names_its_replacement_and_still_tells_a_distributed_step(problem):
-    loss_fn, *_ = problem()
-    opt = dpfunc.optim.sgd(lr=0.1)
-    with pytest.raises(TypeError, match=re.escape("dpfunc.distributed.make_train_step")):
-        dpfunc.distributed.DistributedTrainStep(loss_fn, opt, config())
-    with pytest.raises(TypeError, match=re.escape("dpfunc.distributed.make_train_step")):
-        dpfunc.distributed.DistributedTrainStep(loss_fn, opt, **BASE)
-    local = dpfunc.make_train_step(loss_fn, opt, config())
-    spanning = TrainStep(loss_fn, opt, config(), collectives=LOCAL._replace(distributed=True))
-    assert isinstance(spanning, dpfunc.distributed.DistributedTrainStep)
-    assert not isinstance(local, dpfunc.distributed.DistributedTrainStep)
-    assert not isinstance(object(), dpfunc.distributed.DistributedTrainStep)
 
 
 @pytest.mark.parametrize(

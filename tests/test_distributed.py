@@ -25,6 +25,7 @@ from torch.func import functional_call
 
 import dpfunc
 from dpfunc import data
+from dpfunc.step import StepNoise
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ranks  # noqa: E402 (the launcher beside this file)
@@ -148,12 +149,8 @@ def steps_worker(rank: int, world_size: int, seed: int) -> dict:
             ((batch, mask),) = micro
             state, m = step(state, batch, mask, noise)
         else:
-            summed, stats = step.zeros(state.params), []
-            for batch, mask in micro:
-                summed, s = step.accumulate(summed, state.params, batch, mask)
-                stats.append(s)
-            state = step.apply(state, summed, noise)
-            m = dpfunc.summarize(step.gather_stats(dpfunc.ExampleStats.cat(stats)))
+            state, stats = step.logical_step(state, micro, StepNoise(noise, None))
+            m = dpfunc.summarize(stats)
         metrics.append({k: float(v) for k, v in m.items()})
     return {
         "initial": initial,
@@ -174,12 +171,11 @@ def failing_worker(scenario: str, rank: int, world_size: int, outdir: str) -> in
             if scenario == "die":
                 os._exit(17)  # dies without a word to the others
             time.sleep(GUARD_S * 2)  # hangs; the test kills it
-        # an empty share (skips vmap's slow first call; the collective is what is tested)
-        summed = step.zeros(state.params)
-        noise = dpfunc.standard_normal_like(state.params, seed=0, step=t)
+        # an empty share (skips vmap's slow first call; the collectives are what is tested)
+        noise = StepNoise(dpfunc.standard_normal_like(state.params, seed=0, step=t), None)
         started = time.monotonic()
         try:
-            state = step.apply(state, summed, noise)
+            state, _ = step.logical_step(state, [], noise)
         except RuntimeError as error:
             report = f"{type(error).__name__}\n{time.monotonic() - started:.3f}\n{error}"
             with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:
@@ -270,7 +266,7 @@ def trainer_resume(rank: int, outdir: str) -> dict:
         "fresh_steps": fresh.steps_done,
         "drawn_seed": drawn.seed,
         "adaptive": (adaptive.params, adaptive.clip_norm),
-        "banded": (banded.params, banded.state.noise_history, banded.epsilon()),
+        "banded": (banded.params, banded.state.noise_state.history, banded.epsilon()),
     }
 
 
@@ -313,12 +309,9 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(main_run):
     for t in range(STEPS):
         micro, count = batches.logical_batch(t)
         sizes.append(count)
-        summed, stats = step.zeros(state.params), []
-        for batch, mask in micro:
-            summed, s = step.accumulate(summed, state.params, batch, mask)
-            stats.append(s)
-        state = step.apply(state, summed, dpfunc.standard_normal_like(params, seed=seed, step=t))
-        reference_metrics.append(dpfunc.summarize(dpfunc.ExampleStats.cat(stats)))
+        noise = StepNoise(dpfunc.standard_normal_like(params, seed=seed, step=t), None)
+        state, stats = step.logical_step(state, micro, noise)
+        reference_metrics.append(dpfunc.summarize(stats))
 
     # the shares were uneven in the ways the test is about
     counts = list(zip(ranks[0]["counts"], ranks[1]["counts"]))
@@ -367,7 +360,7 @@ def _failure(tmp_path, scenario, timeout_s):
 def test_a_dead_rank_makes_the_other_fail_with_a_clear_error(tmp_path):
     kind, waited, message, total = _failure(tmp_path, "die", timeout_s=8.0)
     assert kind == "CollectiveError"
-    assert "all_reduce of the clipped gradient sum at step 2" in message
+    assert "all_gather of the per-example stats (metrics) at step 2" in message
     assert "rank 0 of 2" in message and "died" in message and "timeout_s=8" in message
     assert waited < 8.0 + 2.0  # within the timeout, not a hang
     assert total < GUARD_S
@@ -376,7 +369,7 @@ def test_a_dead_rank_makes_the_other_fail_with_a_clear_error(tmp_path):
 def test_a_hung_rank_makes_the_other_fail_after_the_timeout(tmp_path):
     kind, waited, message, total = _failure(tmp_path, "hang", timeout_s=4.0)
     assert kind == "CollectiveError"
-    assert "all_reduce of the clipped gradient sum at step 2" in message
+    assert "all_gather of the per-example stats (metrics) at step 2" in message
     assert "hangs" in message and "timeout_s=4" in message
     assert 4.0 - 0.5 < waited < 4.0 + 3.0  # the timeout fired, not an early error
     assert total < GUARD_S
@@ -431,7 +424,7 @@ def test_trainer_resumes_a_two_rank_run_bit_identically(main_run):
         for k in params:
             torch.testing.assert_close(params[k], banded.params[k], rtol=0, atol=1e-6)
             assert torch.equal(history[k], resumed[0]["banded"][1][k])
-            torch.testing.assert_close(history[k], banded.state.noise_history[k])
+            torch.testing.assert_close(history[k], banded.state.noise_state.history[k])
     assert resumed[0]["drawn_seed"].bit_length() > 200
     assert "could not be loaded on ranks [1]" in resumed[0]["errors"]["load"]
     assert (
@@ -467,14 +460,15 @@ def test_boundaries_and_a_one_rank_group_in_this_process(monkeypatch):
         assert detected.steps_done == alone.steps_done == 4
         for k in alone.params:  # one rank: the all-reduce is the identity
             assert torch.equal(detected.params[k], alone.params[k])
-        one_example_sum_stays_float64_and_within_the_clip_norm()
+        one_example_sum_stays_within_the_clip_norm()
     finally:
         dpfunc.distributed.shutdown()
     assert not dpfunc.distributed.is_initialized()
 
 
-def one_example_sum_stays_float64_and_within_the_clip_norm():
-    """The all-reduced running sum is float64: one example near C stays within C."""
+def one_example_sum_stays_within_the_clip_norm():
+    """The all-reduced running sum (float32, within the margin): one example near C stays
+    within C, and the one-call step (a float64 sum) releases the same bits."""
     size, clip_norm = 5000, 0.3
     params = {"w": torch.zeros(size)}
 
@@ -486,20 +480,20 @@ def one_example_sum_stays_float64_and_within_the_clip_norm():
         expected_batch_size=1.0,
     )  # fmt: skip
     x = torch.ones(size) * (clip_norm / math.sqrt(size))  # constant: the worst accumulation
-    summed = step.zeros(params)
+    micro = []
     for real in (False, True):
         batch, mask = torch.randn(4, size), torch.zeros(4)
         if real:
             batch[2], mask[2] = x, 1.0
-        summed, _ = step.accumulate(summed, params, batch, mask)
-    reduced = step.all_reduce(summed)
-    assert reduced["w"].dtype == torch.float64
-    assert float(torch.linalg.vector_norm(reduced["w"])) <= clip_norm
-    noise = {"w": torch.zeros(size)}
+        micro.append((batch, mask))
+    zeros = StepNoise({"w": torch.zeros(size)}, None)
     state = step.init(params)
-    one_call, _ = step(state, batch, mask, noise)
-    long_way, _ = step.accumulate(step.zeros(params), params, batch, mask)
-    assert torch.equal(one_call.params["w"], step.apply(state, long_way, noise).params["w"])
+    private, _, _ = step.logical_gradient(state, micro, zeros)  # the reduced sum, released
+    assert private["w"].dtype == torch.float32
+    assert float(torch.linalg.vector_norm(private["w"].double())) <= clip_norm
+    one_call, _ = step(state, batch, mask, zeros.params)
+    long_way, _ = step.logical_step(state, [(batch, mask)], zeros)
+    assert torch.equal(one_call.params["w"], long_way.params["w"])
 
 
 if __name__ == "__main__":

@@ -205,7 +205,7 @@ def test_cancelling_positions_cannot_pass_the_clip_bound(kind, dtype, big):
         )
         summed, stats = step.clip(params, batch, mask)
         if method == "ghost":
-            assert step._ghost.plans and all(p.modules for p in step._ghost.plans.values())
+            assert step.clip.ghost.plans and all(p.modules for p in step.clip.ghost.plans.values())
         total = torch.stack([v.double().square().sum() for v in summed.values()]).sum().sqrt()
         assert total <= 1.0 + 1e-6, (method, float(total), float(stats.norm[0]))
 
@@ -327,7 +327,7 @@ def test_recurrent_ghost_step_compiles_with_allow_rnn():
     assert counter.frame_count == 1
     for k in params:
         torch.testing.assert_close(got.params[k], want.params[k])
-    assert [m.path for m in step._ghost.plans[next(iter(step._ghost.plans))].modules] == [
+    assert [m.path for m in step.clip.ghost.plans[next(iter(step.clip.ghost.plans))].modules] == [
         "embed",
         "lstm",
         "head",
@@ -553,7 +553,7 @@ def test_whole_step_falls_back_with_one_warning(case):
         got = [ghost_step.clip(params, batch, mask) for _ in range(2)]
         if case == "pinn":  # a new batch structure is analysed again, but not warned again
             ghost_step.clip(params, list(batch), mask)
-            assert len(ghost_step._ghost.plans) == 2
+            assert len(ghost_step.clip.ghost.plans) == 2
     ours = [w for w in caught if "dpfunc ghost" in str(w.message)]
     assert len(ours) == 1, [str(w.message) for w in caught]
     assert "the whole step uses per-example gradients" in str(ours[0].message)
@@ -767,7 +767,7 @@ def test_compiled_ghost_step_equals_eager_with_one_graph():
                 inductor_state.params[k], eager_state.params[k], rtol=1e-5, atol=1e-6
             )
     assert counter.frame_count == 1
-    (plan,) = step._ghost.plans.values()
+    (plan,) = step.clip.ghost.plans.values()
     assert [m.path for m in plan.modules] == ["0", "1", "3"]
     # A second model of other shapes in the same process: Dynamo recompiles the step's
     # code with automatic dynamic shapes, so the parameter shapes are symbolic while

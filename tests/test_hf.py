@@ -245,7 +245,7 @@ def test_a_batched_loss_runs_batched_and_equals_the_one_example_loss(build, forw
         warnings.simplefilter("error", UserWarning)  # no fallback to the vmap pass
         warnings.filterwarnings("ignore", message="There is a performance drop")
         got, got_stats = batched.clip(params, batch, mask)
-    assert [plan.batched for plan in batched._ghost.plans.values()] == [True]
+    assert [plan.batched for plan in batched.clip.ghost.plans.values()] == [True]
     want, want_stats = step(loss_fn).clip(params, batch, mask)
     assert int(got_stats.scaled[:3].sum()) >= 1
     torch.testing.assert_close(got_stats.loss, want_stats.loss, rtol=rtol, atol=rtol * 1e-3)

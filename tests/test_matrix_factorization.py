@@ -18,6 +18,7 @@ from dpfunc.matrix_factorization import (
     normalized_coefficients,
     strategy_matrix,
 )
+from dpfunc.step import StepNoise
 
 
 def classifier(dtype=torch.float64):
@@ -255,7 +256,7 @@ def test_step_adds_the_correlated_noise_of_the_normalised_strategy(bands):
         w = torch.linalg.solve_triangular(C, z, upper=False)
         total = -(sigma * clip / expected) * w.sum(0)
         torch.testing.assert_close(state.params[name], total, rtol=1e-10, atol=1e-12)
-    assert state.noise_history["w"].shape == (bands - 1, 7)
+    assert state.noise_state.history["w"].shape == (bands - 1, 7)
     assert step.coefficients == normalized_coefficients(bands)
 
 
@@ -266,7 +267,7 @@ def test_one_band_is_the_dp_sgd_step_bit_for_bit():
     banded = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.2), bands=1, **kwargs)
     dp_sgd = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.2), **kwargs)
     state, plain = banded.init(params), dp_sgd.init(params)
-    assert state.noise_history == {}
+    assert state.noise_state.history == {}
     reference = params
     for t in range(3):
         noise = dpfunc.standard_normal_like(params, seed=11, step=t)
@@ -299,13 +300,13 @@ def test_ghost_and_micro_batches_give_the_same_banded_step():
     for t in range(6):
         noise = dpfunc.standard_normal_like(params, seed=2, step=t)
         a, _ = vmap(a, (x, y), None, noise)
-        summed = ghost.zeros(b.params)
-        for rows in (slice(0, 5), slice(5, 12)):
-            summed, _ = ghost.accumulate(summed, b.params, (x[rows], y[rows]), None)
-        b = ghost.apply(b, summed, noise)
-    for k in params:
+        halves = [((x[rows], y[rows]), None) for rows in (slice(0, 5), slice(5, 12))]
+        b, _ = ghost.logical_step(b, halves, StepNoise(noise, None))
+    for k in params:  # float64 parameters: float64 sums
         torch.testing.assert_close(a.params[k], b.params[k], rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(a.noise_history[k], b.noise_history[k], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            a.noise_state.history[k], b.noise_state.history[k], rtol=1e-12, atol=1e-12
+        )
 
 
 def test_banded_step_refuses_adaptive_clipping_and_bad_bands():
@@ -343,7 +344,7 @@ def test_compiled_banded_step_equals_eager_in_one_graph():
             torch.testing.assert_close(compiled.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(counted_state.params[k], eager.params[k])
             torch.testing.assert_close(
-                compiled.noise_history[k], eager.noise_history[k], rtol=1e-5, atol=1e-6
+                compiled.noise_state.history[k], eager.noise_state.history[k], rtol=1e-5, atol=1e-6
             )
     assert counter.frame_count == 1
 
@@ -369,7 +370,7 @@ def test_trainer_samples_cyclically_and_accounts_the_participations():
     trainer.fit()
     assert trainer.epsilon() == accounting.epsilon(1.2, 0.5, 16, trainer.delta, bands=4)
     assert trainer.epsilon() == accounting.epsilon(1.2, 0.5, 4, trainer.delta)
-    assert trainer.state.noise_history["0.weight"].shape == (3, 8, 6)
+    assert trainer.state.noise_state.history["0.weight"].shape == (3, 8, 6)
     calibrated = _trainer(bands=4, noise_multiplier=None, target_epsilon=3.0)
     assert accounting.epsilon(calibrated.noise_multiplier, 0.5, 16, calibrated.delta,
                               bands=4) <= 3.0  # fmt: skip
@@ -386,7 +387,7 @@ def test_trainer_resumes_a_banded_run_bit_identically(tmp_path):
     resumed.fit()
     for k in whole.params:
         assert torch.equal(resumed.params[k], whole.params[k]), k
-        assert torch.equal(resumed.state.noise_history[k], whole.state.noise_history[k])
+        assert torch.equal(resumed.state.noise_state.history[k], whole.state.noise_state.history[k])
     with pytest.raises(ValueError, match="bands=4"):  # same sample rate, other strategy
         _trainer(bands=2, expected_batch_size=16).load(tmp_path / "run.pt")
 

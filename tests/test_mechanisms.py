@@ -178,28 +178,31 @@ def test_the_train_state_holds_each_mechanism_state_and_the_step_moves_it(settin
     step = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), config)
     state = step.init(params)
     assert isinstance(state.clip_state, ClipState) and isinstance(state.noise_state, NoiseState)
-    assert state.clip_norm.shape == () and state.clip_norm.dtype == torch.float64
-    assert torch.equal(state.clip_norm, state.clip_state.clip_norm)  # the earlier names read
-    assert state.noise_history is state.noise_state.history
+    assert state.clip_state.clip_norm.shape == ()
+    assert state.clip_state.clip_norm.dtype == torch.float64
     noise = step.draw_noise(state.params, seed=SECRET, step=0)
     batch = [((x[:8], y[:8]), torch.ones(8))]
     new, stats = step.logical_step(state, batch, noise)
     # the mechanisms, applied by hand to what the step saw
     _, noise_state = config.noise_mechanism().update(noise.params, state.noise_state)
-    count = dpfunc.clipping.unclipped_count(stats.norm, state.clip_norm, stats.mask)
+    count = dpfunc.clipping.unclipped_count(stats.norm, state.clip_state.clip_norm, stats.mask)
     clip_state = config.clip_mechanism().update(count, noise.count, state.clip_state)
-    assert torch.equal(new.clip_norm, clip_state.clip_norm)
+    assert torch.equal(new.clip_state.clip_norm, clip_state.clip_norm)
     assert optree.tree_structure(new.noise_state) == optree.tree_structure(noise_state)
     for a, b in zip(optree.tree_leaves(new.noise_state), optree.tree_leaves(noise_state)):
         assert torch.equal(a, b)
-    assert "target_quantile" not in settings or not torch.equal(new.clip_norm, state.clip_norm)
+    assert "target_quantile" not in settings or not torch.equal(
+        new.clip_state.clip_norm, state.clip_state.clip_norm
+    )
 
 
 def test_a_state_in_the_earlier_form_is_refused_with_the_replacement():
     loss_fn, params, (x, y), config = problem()
     step = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), config)
     state = step.init(params)
-    earlier = dpfunc.TrainState(state.params, state.opt_state, state.step, state.clip_norm)
+    earlier = dpfunc.TrainState(
+        state.params, state.opt_state, state.step, state.clip_state.clip_norm
+    )
     noise = step.draw_noise(state.params, seed=SECRET, step=0)
     with pytest.raises(TypeError, match=r"clip_state must be a ClipState.*_replace"):
         step.logical_step(earlier, [((x[:8], y[:8]), torch.ones(8))], noise)

@@ -13,8 +13,8 @@ from torch import nn
 from torch.func import functional_call, grad
 
 import dpfunc
+from dpfunc import clipper as step_clipper
 from dpfunc import memory
-from dpfunc import step as step_module
 from dpfunc.ghost import clipper as clipper_module
 from dpfunc.ghost import remove_hooks
 
@@ -84,8 +84,8 @@ def test_the_budget_reaches_every_step():
         model, loss_fn, data, expected_batch_size=4, clip_norm=1.0, noise_multiplier=1.0,
         memory_budget=12345,
     )  # fmt: skip
-    assert trainer.step_fn.memory_budget == private.step_fn.memory_budget == 12345
-    assert _step(loss_fn).memory_budget is None
+    assert trainer.step_fn.clip.memory_budget == private.step_fn.clip.memory_budget == 12345
+    assert _step(loss_fn).clip.memory_budget is None
     remove_hooks(model)
 
 
@@ -94,8 +94,8 @@ def test_the_chunk_is_the_budget_over_one_rows_bytes(rows, expected):
     _, params, loss_fn, _ = _problem()
     assert memory.gradient_entries(params) == ENTRIES
     step = _step(loss_fn, memory_budget=_budget(rows) + 7)  # + 7: less than one more row
-    assert step.chunk_for(params, ROWS) == expected
-    assert _step(loss_fn, memory_budget=1).chunk_for(params, ROWS) == 1  # never below one row
+    assert step.clip.chunk_for(params, ROWS) == expected
+    assert _step(loss_fn, memory_budget=1).clip.chunk_for(params, ROWS) == 1  # never below one row
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "normalized"])
@@ -106,13 +106,13 @@ def test_a_budget_changes_nothing_but_memory(monkeypatch, clipping):
     mask[4] = False
     noise = dpfunc.standard_normal_like(params, seed=0, step=0)
     seen = []
-    real = step_module.per_sample_grads_and_losses
+    real = step_clipper.per_sample_grads_and_losses
 
     def spy(loss_fn, params, batch, **kwargs):
         seen.append(len(batch[0]))
         return real(loss_fn, params, batch, **kwargs)
 
-    monkeypatch.setattr(step_module, "per_sample_grads_and_losses", spy)
+    monkeypatch.setattr(step_clipper, "per_sample_grads_and_losses", spy)
     results = []
     for budget in (None, _budget(3)):
         step = _step(loss_fn, clipping=clipping, memory_budget=budget)
@@ -149,12 +149,14 @@ def test_an_explicit_chunk_size_wins_and_is_warned_about_over_the_budget():
     _, params, loss_fn, batch = _problem()
     over = _step(loss_fn, chunk_size=5, memory_budget=_budget(2))
     with pytest.warns(UserWarning, match="chunk_size=5 .* over memory_budget"):
-        assert over.chunk_for(params, ROWS) == 5
+        assert over.clip.chunk_for(params, ROWS) == 5
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert over.chunk_for(params, ROWS) == 5  # once
-        assert _step(loss_fn, chunk_size=2, memory_budget=_budget(2)).chunk_for(params, ROWS) == 2
-        assert _step(loss_fn, chunk_size=5).chunk_for(params, ROWS) == 5
+        assert over.clip.chunk_for(params, ROWS) == 5  # once
+        assert (
+            _step(loss_fn, chunk_size=2, memory_budget=_budget(2)).clip.chunk_for(params, ROWS) == 2
+        )
+        assert _step(loss_fn, chunk_size=5).clip.chunk_for(params, ROWS) == 5
 
 
 @pytest.mark.parametrize("fits", [False, True])

@@ -460,20 +460,18 @@ def test_a_sharded_step_refuses_noise_it_did_not_draw(one_rank):
     plain = dpfunc.standard_normal_like(state.params, seed=SEED, step=0)
     with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
         step(state, batch, mask, plain)
-    with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
-        step.apply(state, step.zeros(params), plain)
-    with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
-        step.apply_reduced(state, step.zeros(state.params), plain)  # the local rest, too
     drawn = step.draw_noise(state.params, seed=SEED, step=0)
+    with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
+        step.logical_gradient(state, [(batch, mask)], drawn._replace(params=plain))
     with pytest.raises(ValueError, match="takes the noise of step 0 from step.draw_noise"):
         step.logical_step(state, [(batch, mask)], drawn._replace(params=plain))
     state, _ = step.logical_step(state, [(batch, mask)], drawn)  # drawn here: taken
     assert int(state.step) == 1
     with pytest.raises(ValueError, match="takes the noise of step 1"):  # step 0's, again
         step.logical_step(state, [(batch, mask)], drawn)
-    compiled = torch.compile(step.apply_reduced, fullgraph=True, backend="eager")
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
     with pytest.raises(Exception) as caught:  # a user's own compile cannot skip the check
-        compiled(state, step.zeros(state.params), plain)
+        compiled(state, batch, mask, plain)
     assert "step.compile()" in str(caught.value) or "Observed exception" in str(caught.value)
 
 

@@ -137,16 +137,11 @@ def test_accumulated_micro_batches_equal_one_batch(classifier, data):
     state = step.init(params)
     whole, _ = step(state, (x, y), torch.ones(256), noise)
 
-    summed, stats = step.zeros(params), []
-    for chunk in range(4):
-        rows = slice(64 * chunk, 64 * (chunk + 1))
-        summed, s = step.accumulate(summed, state.params, (x[rows], y[rows]), torch.ones(64))
-        stats.append(s)
-    accumulated = step.apply(state, summed, noise)
-    for k in params:
-        torch.testing.assert_close(accumulated.params[k], whole.params[k], rtol=1e-10, atol=1e-12)
-    metrics = dpfunc.summarize(dpfunc.ExampleStats.cat(stats))
-    assert metrics["batch_size"] == 256
+    micro = [((x[r : r + 64], y[r : r + 64]), torch.ones(64)) for r in range(0, 256, 64)]
+    accumulated, stats = step.logical_step(state, micro, step.draw_noise(params, seed=9, step=0))
+    for k in params:  # a float32 running sum of four micro-batches against one float64 sum
+        torch.testing.assert_close(accumulated.params[k], whole.params[k], rtol=1e-6, atol=1e-7)
+    assert dpfunc.summarize(stats)["batch_size"] == 256
 
 
 def test_nonfinite_example_is_dropped_and_counted(classifier, data):
@@ -236,9 +231,11 @@ def test_compiled_equals_eager_with_one_graph_over_many_steps(classifier, data):
     )
     counter = CompileCounter()
     compiled = torch.compile(step, backend=counter, fullgraph=True)
-    # what Trainer(compile=True) compiles: the float64 running sum, the noise, the rounding
-    accumulate = torch.compile(step.accumulate, fullgraph=True)
-    apply = torch.compile(step.apply, fullgraph=True)
+    # what Trainer(compile=True) compiles: each micro-batch's sum, the noise, the rounding
+    pieces = dpfunc.make_train_step(
+        loss_fn, dpfunc.optim.adam(lr=0.01), clip_norm=0.5, noise_multiplier=1.0,
+        expected_batch_size=12.5,
+    ).compile()  # fmt: skip
     eager_state = counted_state = compiled_state = step.init(params)
     for i in range(4):
         x, y = data(16, dtype=torch.float32, seed=i)
@@ -246,11 +243,9 @@ def test_compiled_equals_eager_with_one_graph_over_many_steps(classifier, data):
         noise = dpfunc.standard_normal_like(params, seed=0, step=i)
         eager_state, eager_metrics = step(eager_state, (x, y), mask, noise)
         counted_state, _ = compiled(counted_state, (x, y), mask, noise)
-        summed = step.zeros(params)
-        for half in (slice(0, 8), slice(8, 16)):
-            summed, _ = accumulate(summed, compiled_state.params, (x[half], y[half]), mask[half])
-        assert all(v.dtype == torch.float64 for v in summed.values())
-        compiled_state = apply(compiled_state, summed, noise)
+        halves = [((x[h], y[h]), mask[h]) for h in (slice(0, 8), slice(8, 16))]
+        drawn = pieces.draw_noise(params, seed=0, step=i)
+        compiled_state, _ = pieces.logical_step(compiled_state, halves, drawn)
         for k in params:
             assert compiled_state.params[k].dtype == torch.float32
             torch.testing.assert_close(
@@ -267,9 +262,7 @@ def test_compiled_equals_eager_with_one_graph_over_many_steps(classifier, data):
         loss_fn, dpfunc.optim.adam(lr=0.01), clip_norm=float(norm), noise_multiplier=0.0,
         expected_batch_size=1.0,
     )  # fmt: skip
-    summed, _ = torch.compile(compiled_bound.accumulate, fullgraph=True)(
-        compiled_bound.zeros(params), params, (x, y), one
-    )
+    summed, _ = torch.compile(compiled_bound.clip, fullgraph=True)(params, (x, y), one)
     total = torch.linalg.vector_norm(torch.cat([v.reshape(-1) for v in summed.values()]))
     assert total <= float(norm)
 
@@ -340,17 +333,18 @@ def test_adaptive_clipping_step_moves_the_clip_norm_geometrically(method, classi
     )  # fmt: skip
     fixed = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), **args)
     state = adaptive.init(params)
-    assert state.clip_norm.dtype == torch.float64 and float(state.clip_norm) == 0.05
+    start = state.clip_state.clip_norm
+    assert start.dtype == torch.float64 and float(start) == 0.05
     noise = dpfunc.standard_normal_like(params, seed=3, step=0)  # public: a test
     count_noise = torch.tensor(0.4, dtype=torch.float64)
     new, _ = adaptive(state, (x, y), torch.ones(8), noise, count_noise)
     norms = dpfunc.per_sample_norms(dpfunc.per_sample_grads(loss_fn, params, (x, y)))
     count = float((norms <= 0.05).sum())
     expected = 0.05 * math.exp(-0.3 * ((count + 2.0 * 0.4) / 8.0 - 0.5))
-    assert float(new.clip_norm) == pytest.approx(expected, rel=1e-12)
+    assert float(new.clip_state.clip_norm) == pytest.approx(expected, rel=1e-12)
     # the first step clips at the starting norm: the same update as fixed clipping
     want, _ = fixed(fixed.init(params), (x, y), torch.ones(8), noise)
     for k in params:
         torch.testing.assert_close(new.params[k], want.params[k], rtol=1e-10, atol=1e-12)
-    with pytest.raises(ValueError, match="pass count=step.unclipped_count"):
-        adaptive.apply(state, adaptive.zeros(params), noise)
+    with pytest.raises(ValueError, match="pass count_noise"):
+        adaptive(state, (x, y), torch.ones(8), noise)

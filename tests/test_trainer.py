@@ -10,6 +10,7 @@ from torch.func import functional_call
 
 import dpfunc
 from dpfunc import accounting
+from dpfunc.step import StepNoise
 
 
 @pytest.fixture
@@ -176,12 +177,8 @@ def test_noise_drawn_ahead_changes_no_bit(make, tiny_problem, monkeypatch, spare
     state = step.init(params)
     batches = dpfunc.data.PoissonBatches(dataset, 20 / 120, 16, seed=trainer.seed)
     for t in range(trainer.steps_done):
-        # the Trainer's running sum: float32, as a public bound on the micro-batches allows
-        # (at most ceil(120 / 16) = 8 of them)
-        summed = step.zeros(state.params, micro_batches=8)
-        for batch, mask in batches.logical_batch(t)[0]:
-            summed, _ = step.accumulate(summed, state.params, batch, mask)
-        state = step.apply(state, summed, dpfunc.standard_normal_like(params, trainer.seed, t))
+        noise = StepNoise(dpfunc.standard_normal_like(params, trainer.seed, t), None)
+        state, _ = step.logical_step(state, batches.logical_batch(t)[0], noise)
     assert all(torch.equal(state.params[k], trainer.params[k]) for k in params)
 
 

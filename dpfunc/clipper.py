@@ -1,0 +1,380 @@
+"""One micro-batch's clipped sum, by vmap or by ghost clipping: ``clip(params, batch, mask)``.
+
+::
+
+    per_sample_grads -> per_sample_norms -> clip_factors -> clipped_sum     (method="vmap")
+    ghost pass: norms and the sum from each layer's inputs and output grads (method="ghost")
+
+:func:`make_clipper` turns a one-example loss and the speed settings into a
+:class:`Clipper`, the function a :class:`~dpfunc.TrainStep` calls for each
+micro-batch. Every way to the sum gives the same sum up to float rounding,
+which the clip margin covers: ``method="vmap"`` materialises each example's
+gradient (in chunks of rows under a ``memory_budget``), ``"ghost"`` (with
+``model=``) computes the norms and the sum from each covered layer's inputs
+and output gradients (:mod:`dpfunc.ghost`), and ``"auto"`` ghosts the layers
+where that is cheaper. The speed settings choose how fast the sum is
+computed, never what it is.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from . import memory
+from .checks import check_choice, check_devices, check_int
+from .clipping import (
+    ClippingPolicy,
+    accumulation_dtype,
+    clipped_sum,
+    per_sample_norms,
+    rounding_scope,
+)
+from .compiling import check_allow_rnn, recurrent_paths
+from .config import DPConfig
+from .ghost import GhostClipper, ghost_clip
+from .memory import check_memory_budget
+from .per_sample import LossFn, batch_size, explain_example_error, per_sample_grads_and_losses
+from .tree import Params, PyTree, tree_add, tree_leaves, tree_map
+
+__all__ = ["METHODS", "Clipper", "ExampleStats", "make_clipper", "summarize"]
+
+METHODS = ("auto", "vmap", "ghost")
+
+
+class ExampleStats(NamedTuple):
+    """What the step saw of each example; for monitoring, NOT private."""
+
+    loss: Tensor  # [B], each example's loss
+    norm: Tensor  # [B] float64, gradient norm before clipping
+    scaled: Tensor  # [B] bool, the gradient was scaled down (or dropped)
+    mask: Tensor  # [B] bool, a real example (not padding)
+
+    @staticmethod
+    def cat(stats: list[ExampleStats]) -> ExampleStats:
+        """Joins the stats of a logical batch's micro-batches."""
+        return ExampleStats(*(torch.cat(parts) for parts in zip(*stats)))
+
+    @staticmethod
+    def empty(params: Params) -> ExampleStats:
+        """The stats of no example (an empty logical batch)."""
+        dtype = next(iter(params.values())).dtype
+        loss = torch.zeros(0, dtype=dtype)
+        flags = torch.zeros(0, dtype=torch.bool)
+        return ExampleStats(loss, loss.to(torch.float64), flags, flags)
+
+
+def summarize(stats: ExampleStats) -> dict[str, Tensor]:
+    """Batch metrics from per-example stats (all 0-d tensors).
+
+    ``loss``: mean loss over real examples; ``batch_size``: the number of real
+    examples; ``clipped_fraction``: the fraction whose gradient was scaled
+    down; ``nonfinite``: examples dropped for a NaN/inf gradient;
+    ``norm_p10``, ``norm_p50``, ``norm_p90``, ``norm_max``: quantiles of the
+    finite pre-clipping norms (NaN when there are none).
+
+    Privacy: these read the data without noise; they are NOT differentially
+    private. Log them for debugging; do not publish them as part of a private result.
+    """
+    real = stats.mask
+    count = real.sum()
+    denominator = count.clamp(min=1)
+    finite = torch.isfinite(stats.norm)
+    norms = torch.where(real & finite, stats.norm, torch.full_like(stats.norm, math.nan))
+    quantiles = torch.nanquantile(norms, norms.new_tensor([0.1, 0.5, 0.9, 1.0]))
+    return {
+        "loss": torch.where(real, stats.loss, torch.zeros_like(stats.loss)).sum() / denominator,
+        "batch_size": count,
+        "clipped_fraction": (stats.scaled & real).sum() / denominator,
+        "nonfinite": (~finite & real).sum(),
+        "norm_p10": quantiles[0],
+        "norm_p50": quantiles[1],
+        "norm_p90": quantiles[2],
+        "norm_max": quantiles[3],
+    }
+
+
+class Clipper:
+    """One micro-batch's clipped sum as a function; built by :func:`make_clipper`."""
+
+    def __init__(
+        self,
+        loss_fn: LossFn,
+        config: DPConfig,
+        *,
+        model: nn.Module | None,
+        method: str,
+        chunk_size: int | None,
+        memory_budget: int | None,
+    ):
+        self.loss_fn = loss_fn
+        self.clip_norm = float(config.clip_norm)
+        self.clipping = config.clipping
+        self.method = method
+        self.chunk_size = chunk_size
+        self.memory_budget = memory_budget
+        self._warned_budget = False
+        self._recurrent = recurrent_paths(model)  # checked when Dynamo traces the step
+        self.ghost = (
+            GhostClipper(model, loss_fn, method, memory_budget=memory_budget, vmap_sum=self._timed)
+            if model is not None and method != "vmap"
+            else None
+        )
+
+    def __call__(
+        self,
+        params: Params,
+        batch: PyTree,
+        mask: Tensor | None,
+        clip_norm: Tensor | None = None,
+        *,
+        skip_padding: bool = False,
+    ) -> tuple[Params, ExampleStats]:
+        """The clipped sum of one micro-batch and its per-example stats.
+
+        ``clip_norm``: adaptive clipping's current norm
+        (``state.clip_state.clip_norm``); ``None`` clips at the config's.
+        The sum is in each parameter's accumulation dtype (float32 for bf16,
+        fp16 and float32, float64 for float64). ``mask[B]`` marks real rows
+        (``None``: all); every row is differentiated, padding too, unless
+        ``skip_padding``, which eagerly leaves padding rows out of the forward
+        and backward (the sum is the same; their stats are 0).
+
+        Rounding: the clip factors carry the margin of this micro-batch's
+        physical rows, the gradients' dtype and size (public: shapes and
+        dtypes), so every example's contribution has norm at most the clip norm.
+
+        Eagerly, a failure of the per-example pass that is a misfit of the
+        data and the model (a dtype, float labels, an index out of range) is
+        raised with its fix (:func:`dpfunc.per_sample.explain_example_error`),
+        chained to torch's error.
+        """
+        clip = self.clip_norm if clip_norm is None else clip_norm
+        size = batch_size(batch)
+        if mask is None:
+            leaves = tree_leaves(batch)  # every row is real, on the batch's device
+            mask = torch.ones(size, dtype=torch.bool, device=leaves[0].device if leaves else None)
+        if tuple(mask.shape) != (size,):
+            raise ValueError(
+                f"mask must have shape ({size},) to match the batch, got {tuple(mask.shape)}"
+            )
+        mask = mask.to(torch.bool)
+        check_allow_rnn(self._recurrent)  # a user's torch.compile without allow_rnn
+        check_devices(params, batch)  # before the mask is read on the batch's device
+        if torch.compiler.is_compiling():
+            return self._rows(params, batch, mask, clip, size)
+        try:
+            if skip_padding and size and not bool(mask.all()):
+                return self._real_rows(params, batch, mask, clip)
+            return self._rows(params, batch, mask, clip, size)
+        except Exception as error:  # a misfit of data and model: the error says the fix
+            raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
+
+    def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
+        """How each trainable parameter is clipped: ``"ghost"`` or ``"vmap: <why>"``."""
+        if self.ghost is None:
+            why = (
+                "vmap: method='vmap'"
+                if self.method == "vmap"
+                else "vmap: ghost clipping needs model=, the nn.Module that loss_fn calls"
+            )
+            return dict.fromkeys(params, why)
+        return self.ghost.plan(params, batch).explain(params)
+
+    def chunk_for(self, params: Params, rows: int) -> int | None:
+        """The rows per chunk of the vmap path for a micro-batch of ``rows`` rows (``None``: all).
+
+        An explicit ``chunk_size`` wins; it is warned about once if its
+        per-example gradients exceed ``memory_budget``. Otherwise
+        :func:`dpfunc.memory.chunk_for_budget`. Shapes only (public).
+        """
+        if self.chunk_size is None:
+            return memory.chunk_for_budget(params, rows, self.memory_budget)
+        if (
+            not self._warned_budget
+            and not torch.compiler.is_compiling()  # init() has warned already
+            and not memory.fits(params, self.chunk_size, self.memory_budget)
+        ):
+            self._warned_budget = True
+            need = memory.vmap_gradient_bytes(params, self.chunk_size)
+            warnings.warn(
+                f"chunk_size={self.chunk_size} holds about {need:,} bytes of per-example "
+                f"gradients at once, over memory_budget={self.memory_budget:,}; the "
+                "explicit chunk_size is kept (leave it out to let the budget choose)",
+                UserWarning,
+                stacklevel=5,
+            )
+        return self.chunk_size
+
+    def _real_rows(
+        self, params: Params, batch: PyTree, mask: Tensor, clip: float | Tensor
+    ) -> tuple[Params, ExampleStats]:
+        """Eagerly, a padded micro-batch's clipped sum from its real rows alone.
+
+        Padding contributes exactly 0 either way; leaving its rows out saves
+        their forward and backward (the Trainer pads a Poisson batch to its
+        mean plus 3 std: a fifth to a third of the rows). The rounding margin
+        still counts the physical rows (public), so no clip factor depends on
+        how many examples are real. The time then follows the realised batch
+        size, as in a loop that does not pad; a compiled step keeps the padded shape.
+        """
+        kept = mask.nonzero().squeeze(1)
+
+        def real(t: Any) -> Any:
+            return t.index_select(0, kept.to(t.device)) if isinstance(t, Tensor) else t
+
+        summed, stats = self._rows(params, tree_map(real, batch), mask[kept], clip, len(mask))
+
+        def full(t: Tensor, fill: float | bool) -> Tensor:
+            return t.new_full(mask.shape, fill).index_put_((kept,), t)
+
+        loss, norm, scaled = full(stats.loss, 0.0), full(stats.norm, 0.0), full(stats.scaled, False)
+        return summed, ExampleStats(loss, norm, scaled, mask)
+
+    def _rows(
+        self, params: Params, batch: PyTree, mask: Tensor, clip: float | Tensor, rows: int
+    ) -> tuple[Params, ExampleStats]:
+        """The clipped sum of ``batch`` with the rounding margin of ``rows`` physical rows."""
+        if len(mask) == 0:  # an empty share (e.g. one rank's): nothing to differentiate
+            dtype = next(iter(params.values())).dtype
+            empty = torch.zeros(0, dtype=dtype, device=mask.device)
+            zeros = tree_map(
+                lambda p: torch.zeros_like(p, dtype=accumulation_dtype(p.dtype)), params
+            )
+            return zeros, ExampleStats(empty, empty.to(torch.float64), mask, mask)
+        policy = ClippingPolicy(self.clipping)  # the same policy on both paths
+        if self.ghost is not None:
+            plan = self.ghost.plan(params, batch, rows)  # rows: padded, public
+            if plan.modules:
+                summed, losses, clipped = ghost_clip(
+                    self.loss_fn,
+                    self.ghost.hooks,
+                    plan,
+                    params,
+                    batch,
+                    mask,
+                    clipping=policy,
+                    clip_norm=clip,
+                    chunk_size=self.chunk_size,
+                    rows=rows,
+                )
+                return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
+        return self._vmap_rows(params, batch, mask, clip, rows, policy)
+
+    def _vmap_rows(
+        self,
+        params: Params,
+        batch: PyTree,
+        mask: Tensor,
+        clip: float | Tensor,
+        rows: int,
+        policy: ClippingPolicy,
+    ) -> tuple[Params, ExampleStats]:
+        """The vmap path's clipped sum of ``batch``, in chunks if :meth:`chunk_for` says so."""
+        size = len(mask)
+        chunk = self.chunk_for(params, rows)  # of the physical rows: public
+        if chunk is None or chunk >= size:
+            return self._vmap_clip(params, batch, mask, clip, rows, policy)
+        # chunk by chunk, so that one chunk's per-example gradients are held at a time. The
+        # chunks' sums are added in the accumulation dtype: a blocked summation of the rows,
+        # whose every contribution meets at most (chunk - 1) + (chunks - 1) <= rows - 1
+        # additions, within the margin's gamma_(rows + 2) for ``rows`` rows
+        summed, parts = None, []
+        for start in range(0, size, chunk):
+            rows_of = _row_slice(start, min(start + chunk, size))
+            part, stats = self._vmap_clip(
+                params, tree_map(rows_of, batch), mask[start : start + chunk], clip, rows, policy
+            )
+            summed = part if summed is None else tree_add(summed, part)
+            parts.append(stats)
+        return summed, ExampleStats.cat(parts)
+
+    def _vmap_clip(
+        self,
+        params: Params,
+        batch: PyTree,
+        mask: Tensor,
+        clip: float | Tensor,
+        rows: int,
+        policy: ClippingPolicy,
+    ) -> tuple[Params, ExampleStats]:
+        """The clipped sum of ``batch``'s rows from materialised per-example gradients."""
+        grads, losses = per_sample_grads_and_losses(self.loss_fn, params, batch)
+        groups = policy.groups(grads)
+        norms = per_sample_norms(grads, groups)
+        clipped = policy(norms, clip, mask, **rounding_scope(params, rows))
+        summed = clipped_sum(grads, clipped.weights, groups=groups)
+        return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
+
+    def _timed(self, params: Params, batch: PyTree, mask: Tensor) -> Params:
+        """The vmap path's clipped sum as this clipper computes it (``method="auto"`` times it)."""
+        policy = ClippingPolicy(self.clipping)
+        return self._vmap_rows(params, batch, mask, self.clip_norm, len(mask), policy)[0]
+
+
+def make_clipper(
+    loss_fn: LossFn,
+    config: DPConfig,
+    *,
+    model: nn.Module | None = None,
+    method: str = "auto",
+    chunk_size: int | None = None,
+    memory_budget: int | None = None,
+) -> Clipper:
+    """The clipped sum of one micro-batch as a function: ``clip(params, batch, mask)``.
+
+    Args:
+        loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
+        config: the privacy settings; the clipper reads ``clip_norm`` and ``clipping``.
+        model: the ``nn.Module`` that ``loss_fn`` calls; enables ghost clipping.
+        method: ``"auto"``, ``"vmap"`` or ``"ghost"`` (see :func:`dpfunc.make_train_step`).
+        chunk_size: at most this many rows' per-example gradients at once (vmap path).
+        memory_budget: bytes the vmap path's per-example gradients may take at once.
+
+    Returns:
+        A :class:`Clipper`; ``clip(params, batch, mask, clip_norm=None)``
+        returns ``(summed, stats)``: the micro-batch's clipped sum (like
+        ``params``, in each one's accumulation dtype) and its
+        :class:`ExampleStats`.
+
+    >>> import dpfunc, torch
+    >>> config = dpfunc.DPConfig(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+    >>> clip = make_clipper(lambda p, x: (p["w"] * x).sum(), config)
+    >>> summed, stats = clip({"w": torch.zeros(2)}, torch.tensor([[3.0, 4.0], [0.3, 0.4]]), None)
+    >>> [round(v, 4) for v in summed["w"].tolist()], stats.norm.tolist()
+    ([0.9, 1.2], [5.0, 0.5])
+
+    Raises:
+        ValueError: an unknown ``method``, ``method="ghost"`` without
+            ``model``, a ``chunk_size`` or ``memory_budget`` that is not an int >= 1.
+        TypeError: ``model`` is not an ``nn.Module``.
+    """
+    if chunk_size is not None:
+        check_int("chunk_size", chunk_size, minimum=1)
+    memory_budget = check_memory_budget(memory_budget)
+    check_choice("method", method, METHODS)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
+    if method == "ghost" and model is None:
+        raise ValueError(
+            "method='ghost' needs model=, the nn.Module that loss_fn calls through "
+            "torch.func.functional_call; got model=None"
+        )
+    return Clipper(
+        loss_fn,
+        config,
+        model=model,
+        method=method,
+        chunk_size=chunk_size,
+        memory_budget=memory_budget,
+    )
+
+
+def _row_slice(start: int, stop: int) -> Callable[[Any], Any]:
+    """Rows ``start:stop`` of a batch leaf (other leaves unchanged)."""
+    return lambda t: t[start:stop] if isinstance(t, Tensor) else t
