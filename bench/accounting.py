@@ -276,7 +276,7 @@ def grid(count: int, seed: int = GRID_SEED) -> dict:
 
     import dp_accounting
 
-    from dpfunc import accounting
+    from dpfunc import accounting, pld
 
     library_calls = []
     library = accounting._library_epsilon
@@ -289,7 +289,7 @@ def grid(count: int, seed: int = GRID_SEED) -> dict:
     rows = []
     try:
         for i, (runs, delta) in enumerate(grid_cases(count, seed)):
-            for cache in (accounting._runs_result, accounting._step_losses, accounting._rdp_orders):
+            for cache in (accounting._runs_result, pld.step_losses, accounting._rdp_orders):
                 cache.cache_clear()
             acc = accounting.Accountant()
             for run_ in runs:

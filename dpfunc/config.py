@@ -46,7 +46,8 @@ from typing import Any, NamedTuple
 from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
 from .checks import check_choice, check_int, check_number
 from .clipping import CLIPPING_MODES, ClipMechanism, adaptive_clipping, fixed_clipping
-from .data import PoissonBatches, Sampler, as_dataset, dataset_size, poisson_sampler
+from .data import PoissonBatches, Sampler, poisson_sampler
+from .datasets import as_dataset, dataset_size
 from .matrix_factorization import banded_noise, normalized_coefficients
 from .noise import NoiseMechanism, check_expected_batch_size, independent_noise
 

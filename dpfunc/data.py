@@ -25,9 +25,9 @@ is still one (all-padding) micro-batch: the step must still happen (it
 releases noise only) and the accountant counts it.
 
 Datasets come in the forms people have (tensors, numpy arrays, columns, map-style
-datasets, a ``DataLoader``, Hugging Face datasets); :func:`as_dataset` reads
-them all and refuses iterable ones, since Poisson sampling needs random access to
-every example by index (``docs/data.md``).
+datasets, a ``DataLoader``, Hugging Face datasets); :mod:`dpfunc.datasets` reads
+them all as rows to index and gathers them, and refuses iterable ones, since
+Poisson sampling needs random access to every example by index (``docs/data.md``).
 
 Cyclic Poisson sampling serves correlated noise (:mod:`dpfunc.matrix_factorization`):
 with ``bands = b > 1`` the examples are split once into ``b`` partitions by a
@@ -47,30 +47,16 @@ which examples a step used, and whoever knows the seed knows exactly that.
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
-import sys
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
 from torch import Tensor
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    DistributedSampler,
-    IterableDataset,
-    RandomSampler,
-    SequentialSampler,
-    TensorDataset,
-    default_collate,
-    default_convert,
-)
 
 from .checks import check_int, check_number
+from .datasets import as_dataset, dataset_size, gather_rows
 from .noise import check_seed, keyed_generator, secret_seed
 
 PyTree = Any
@@ -80,9 +66,7 @@ __all__ = [
     "PoissonBatches",
     "Sampler",
     "SamplerState",
-    "as_dataset",
     "cyclic_poisson_sample",
-    "dataset_size",
     "micro_batches",
     "num_micro_batches",
     "partitions",
@@ -305,214 +289,6 @@ def num_micro_batches(batch_size: int, physical_batch_size: int) -> int:
     return max(1, math.ceil(batch_size / physical_batch_size))
 
 
-# --------------------------------------------------------------------------- datasets
-
-ACCEPTED_DATASETS = (
-    "a Tensor or numpy array of rows; a tuple of tensors or numpy arrays, read as columns "
-    "with a common leading size, e.g. (x, y), or a list of them whose shapes differ, e.g. "
-    "[x, y]; a map-style dataset (__len__ and __getitem__(int) returning tensors, numbers, "
-    "numpy arrays or tuples/lists/dicts of them), e.g. a TensorDataset or a list of (x, y) "
-    "examples; a DataLoader over one of these; or a Hugging Face datasets.Dataset with "
-    "numeric or image columns"
-)
-
-
-def as_dataset(dataset: Any) -> Any:
-    """``dataset`` in the form that the rest of this module gathers rows from.
-
-    Every function here that takes a dataset calls this first, so a
-    :class:`dpfunc.Trainer` can be handed any accepted form as it is. The
-    forms, checked in this order:
-
-    - a ``torch.utils.data.DataLoader``: its ``.dataset`` is read (any form
-      below), with a ``UserWarning``: its sampler, ``shuffle`` and batch
-      size give way to Poisson sampling, which the privacy accounting
-      assumes (each example joins each step independently; a shuffled
-      fixed-size batch is a different mechanism). A loader whose sampler
-      or batch sampler may choose WHICH examples are used (anything but
-      ``SequentialSampler``, ``RandomSampler`` and ``DistributedSampler``,
-      which only order or deal out the whole dataset) is refused, and so
-      is a custom ``collate_fn``: ignoring either would silently train on
-      other examples than the loader yields (a subset, an augmentation, a
-      tokenisation, a mix of examples), and a silent change of the data is
-      worse than an error. Pass ``torch.utils.data.Subset(dataset,
-      indices)`` and do per-example work in ``__getitem__`` instead.
-    - a ``Tensor`` of rows along dim 0, returned as is;
-    - a numpy array of rows: ``torch.from_numpy`` (no copy, dtype kept);
-    - a tuple or list of tensors or numpy arrays (mixed allowed): read as
-      COLUMNS with a common leading size (``(x, y)``, ``[x, y]``) or as
-      EXAMPLES (one tensor each), never by a guess. Both readings fit
-      exactly when the entries all have one shape, since examples that
-      share a micro-batch need one shape, and columns only a common leading
-      size. So:
-
-      * a tuple is columns, always (the ``(x, y)`` form, and what
-        ``TensorDataset.tensors`` holds): ``(ids, mask, labels)`` of one
-        shape is 3 columns;
-      * a list whose entries' shapes differ is columns, e.g. ``[x, y]``
-        with ``x`` of shape ``(N, d)`` and ``y`` of ``(N,)``, as the
-        examples reading cannot batch them;
-      * a list whose entries all have one shape ``(n, ...)`` is refused as
-        ambiguous (``k`` examples of that shape, or ``n`` examples of ``k``
-        columns), naming both readings and how to say which:
-        ``torch.stack(dataset)`` for ``k`` examples, ``tuple(dataset)``
-        for ``n`` examples of ``k`` columns. (A list of 0-d tensors can
-        only be examples: it is stacked.)
-
-      Columns come back as a tuple of tensors, so batches of a list
-      dataset are tuples too. A tuple whose elements are not all tensors
-      or arrays is refused (``(x, labels_list)`` would otherwise be a
-      dataset of 2 examples), and so is a tuple of tuples or lists, which
-      reads as examples (``((x0, y0), (x1, y1))``) or as columns of
-      per-example values (``(xs, ys)`` from ``zip(*pairs)``): pass
-      ``list(dataset)`` for examples, or stack each column;
-    - a ``TensorDataset``: the tuple of its tensors;
-    - a Hugging Face ``datasets.Dataset`` (when ``datasets`` is installed):
-      rows come from its ``"torch"`` format, so every example is a dict of
-      tensors, as ``dataset.with_format("torch")`` yields it (floats as
-      float32, integers as int64, images decoded to uint8). Only the
-      columns the dataset's format selects are read; each must be numeric
-      (bool, int, float, a class label, lists or arrays of them) or an
-      image, else it is refused by name: remove it
-      (``dataset.remove_columns``) or select the others
-      (``dataset.select_columns``). Rows are read per batch, never all at
-      once. Every column must have one shape across the examples it
-      batches (pad tokenised text to a fixed length);
-    - any other map-style dataset (``__len__`` and ``__getitem__(int)``,
-      e.g. a ``torch.utils.data.Dataset`` with per-example transforms,
-      ``Subset``, or a list of examples such as ``(x, y)`` tuples or
-      dicts, i.e. a list holding no tensor or array itself): returned as
-      is; rows are its items, read one by one.
-
-    Iterable datasets (``torch.utils.data.IterableDataset``, Hugging Face
-    ``IterableDataset``, generators, iterators) are refused: Poisson
-    sampling includes every example independently at every step, so it
-    must read any example by its index, and the accountant needs the
-    number of examples. So are dicts (pass the columns as a tuple),
-    strings, a ``DatasetDict`` (pick a split) and anything else.
-
-    Returns:
-        A ``Tensor``, a tuple of tensors, or a map-style dataset.
-        ``as_dataset(as_dataset(d))`` is ``as_dataset(d)``.
-
-    Raises:
-        TypeError: a refused form, a non-numeric numpy dtype (named), or
-            non-numeric Hugging Face columns (named). Every message names
-            the accepted forms.
-        ValueError: a 0-d tensor or array, columns whose leading sizes
-            differ (the sizes are named), an empty tuple, a list of
-            tensors of one shape or a tuple of tuples (ambiguous: both
-            readings and how to say which are named). (An empty list is
-            an empty dataset, which the callers refuse.)
-
-    >>> import numpy as np
-    >>> x, y = as_dataset([np.zeros((3, 2)), torch.tensor([1, 0, 1])])
-    >>> x.dtype, y.tolist(), dataset_size((x, y))
-    (torch.float64, [1, 0, 1], 3)
-    >>> dataset_size([torch.zeros(3, 4, 4) for _ in range(50)])  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: dataset is a list of 50 tensors that all have shape (3, 4, 4), which reads ...
-    >>> dataset_size(torch.stack([torch.zeros(3, 4, 4) for _ in range(50)]))
-    50
-    """
-    if isinstance(dataset, DataLoader):
-        return _loader_dataset(dataset)
-    if isinstance(dataset, Tensor):
-        if dataset.dim() == 0:
-            raise _refusal(ValueError, "dataset must have rows along dim 0, got a 0-d tensor")
-        return dataset
-    if _is_ndarray(dataset):
-        return as_dataset(_from_numpy(dataset, "dataset"))
-    if isinstance(dataset, tuple) or (
-        isinstance(dataset, list) and any(_is_column(c) for c in dataset)
-    ):
-        return _sequence(dataset)
-    if isinstance(dataset, TensorDataset):
-        return tuple(dataset.tensors)
-    if isinstance(dataset, _HuggingFaceRows):
-        return dataset
-    hf = _hugging_face_kind(dataset)
-    if hf == "Dataset":
-        return _HuggingFaceRows(dataset)
-    if hf == "DatasetDict":
-        raise _refusal(
-            TypeError,
-            f"dataset is a Hugging Face DatasetDict with splits {list(dataset)}; pass one "
-            "split, e.g. dataset['train']",
-        )
-    if isinstance(dataset, IterableDataset) or (
-        isinstance(dataset, Iterable) and not _is_indexable(dataset)
-    ):
-        raise _refusal(
-            TypeError,
-            f"dataset is a {type(dataset).__name__}, an iterable without random access: "
-            "Poisson sampling includes each example independently at every step, so it must "
-            "read any example by its index, and the accountant needs the number of examples; "
-            "gather the examples into one of the accepted forms first",
-        )
-    if isinstance(dataset, (Mapping, str, bytes)):
-        raise _refusal(
-            TypeError,
-            f"dataset is a {type(dataset).__name__}, whose len() counts keys or characters, "
-            "not examples; pass columns as a tuple, e.g. (x, y)",
-        )
-    if _is_indexable(dataset):
-        return dataset
-    raise _refusal(TypeError, f"dataset of type {type(dataset).__name__} is not a dataset")
-
-
-def dataset_size(dataset: Any) -> int:
-    """The number of examples (rows) in ``dataset``, any form :func:`as_dataset` accepts.
-
-    Raises:
-        TypeError, ValueError: as :func:`as_dataset`.
-
-    >>> dataset_size((torch.zeros(5, 3), torch.zeros(5)))
-    5
-    """
-    dataset = as_dataset(dataset)
-    if isinstance(dataset, Tensor):
-        return dataset.shape[0]
-    if isinstance(dataset, tuple):
-        return dataset[0].shape[0]
-    return len(dataset)
-
-
-def dataset_fingerprint(dataset: Any, rows: int = 64) -> str:
-    """A SHA-256 of ``dataset``'s size and contents, to check that ranks hold the same data.
-
-    Tensors and columns (and so numpy arrays and a ``TensorDataset``, which
-    :func:`as_dataset` turns into them) are hashed whole; other datasets
-    through ``rows`` evenly spaced examples (and their size). Data-parallel
-    DP-SGD needs the SAME dataset in the same order on every rank: index
-    ``i`` must be the same person everywhere, or one person could be
-    sampled on two ranks in one step.
-
-    Raises:
-        TypeError, ValueError: as :func:`as_dataset`.
-    """
-    dataset = as_dataset(dataset)
-    size = dataset_size(dataset)
-    digest = hashlib.sha256(str(size).encode())
-    if isinstance(dataset, Tensor):
-        tensors = [dataset]
-    elif isinstance(dataset, tuple):
-        tensors = list(dataset)
-    else:
-        picks = sorted({round(k * (size - 1) / max(rows - 1, 1)) for k in range(rows)})
-        tensors = [
-            leaf if isinstance(leaf, Tensor) else torch.as_tensor(leaf)
-            for i in (picks if size else [])
-            for leaf in optree.tree_leaves(dataset[i])
-        ]
-    for t in tensors:
-        t = t.detach().cpu().contiguous()
-        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 # --------------------------------------------------------------------------- gathering
 
 
@@ -534,7 +310,7 @@ def micro_batches(
     dropped or truncated.
 
     Args:
-        dataset: any form :func:`as_dataset` accepts; it must hold at
+        dataset: any form :func:`dpfunc.datasets.as_dataset` accepts; it must hold at
             least one row (the padding row).
         indices: a 1-D integer tensor or sequence of indices in
             ``[0, dataset_size(dataset))``, e.g. ``poisson_sample(...)`` or a
@@ -562,7 +338,7 @@ def micro_batches(
             range, the dataset is empty, ``physical_batch_size < 1``, ``num``
             is smaller than needed (that would drop examples), or
             ``mask_dtype`` is not a floating dtype.
-        TypeError: the dataset's form is refused (:func:`as_dataset`).
+        TypeError: the dataset's form is refused (:func:`dpfunc.datasets.as_dataset`).
 
     >>> x = torch.arange(5.0)
     >>> [(b.tolist(), m.tolist()) for b, m in micro_batches(x, [4, 2, 3], 2)]
@@ -591,7 +367,7 @@ def micro_batches(
             )
     total = num * physical_batch_size
     padded = torch.cat([indices, torch.zeros(total - count, dtype=torch.int64)])
-    batch = _gather(dataset, padded, count)
+    batch = gather_rows(dataset, padded, count)
     leaves = optree.tree_leaves(batch)
     device = leaves[0].device if leaves else torch.device("cpu")
     mask = (torch.arange(total, device=device) < count).to(mask_dtype)
@@ -625,7 +401,7 @@ class PoissonBatches:
     extra micro-batches are all padding.
 
     Args:
-        dataset: any form :func:`as_dataset` accepts, with >= 1 example;
+        dataset: any form :func:`dpfunc.datasets.as_dataset` accepts, with >= 1 example;
             ``self.dataset`` holds ``as_dataset(dataset)``.
         sample_rate: the Poisson inclusion probability, in ``(0, 1]``; with
             ``bands > 1``, within the step's partition.
@@ -644,7 +420,7 @@ class PoissonBatches:
 
     Raises:
         ValueError: an argument is out of range, or the dataset is empty.
-        TypeError: the dataset's form is refused (:func:`as_dataset`).
+        TypeError: the dataset's form is refused (:func:`dpfunc.datasets.as_dataset`).
     """
 
     def __init__(
@@ -797,221 +573,6 @@ def _share_size(count: int, rank: int, world_size: int) -> int:
     return max(0, (count - rank + world_size - 1) // world_size)
 
 
-def _refusal(kind: type[Exception], reason: str) -> Exception:
-    """``kind(reason)`` followed by the one list of accepted forms, shared by every refusal."""
-    return kind(f"{reason}. dpfunc accepts {ACCEPTED_DATASETS}")
-
-
-def _is_indexable(dataset: Any) -> bool:
-    return hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
-
-
-def _is_ndarray(value: Any) -> bool:
-    numpy = sys.modules.get("numpy")  # an array exists only if numpy is imported
-    return numpy is not None and isinstance(value, numpy.ndarray)
-
-
-def _is_column(value: Any) -> bool:
-    return isinstance(value, Tensor) or _is_ndarray(value)
-
-
-def _from_numpy(array: Any, what: str) -> Tensor:
-    """A tensor sharing ``array``'s memory where torch can (a copy only if it cannot)."""
-    if array.dtype.kind not in "biufc":  # bool, int, uint, float, complex
-        raise _refusal(
-            TypeError,
-            f"{what} is a numpy array of dtype {array.dtype}, which is not numeric; convert it "
-            "to numbers first (e.g. class labels to int64)",
-        )
-    if not array.dtype.isnative:  # torch reads native byte order only
-        array = array.astype(array.dtype.newbyteorder("="))
-    if any(stride < 0 for stride in array.strides):  # e.g. x[::-1]: torch needs >= 0
-        array = array.copy()
-    with warnings.catch_warnings():
-        # a read-only array is fine: rows are only ever read (index_select copies them)
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return torch.from_numpy(array)
-
-
-def _sequence(columns: Sequence[Any]) -> Tensor | tuple[Tensor, ...]:
-    """A tuple, or a list holding a tensor or array, read as columns or examples (never guessed).
-
-    See :func:`as_dataset`: a tuple is columns; a list is columns where its
-    entries' shapes differ, examples where they are 0-d, and ambiguous (refused)
-    where they all share one shape of at least one dimension.
-    """
-    kind = type(columns).__name__
-    if not columns:
-        raise _refusal(ValueError, f"dataset is an empty {kind}, which holds no columns")
-    if isinstance(columns, tuple) and all(isinstance(c, (tuple, list)) for c in columns):
-        inner = type(columns[0]).__name__
-        raise _refusal(
-            ValueError,
-            f"dataset is a tuple of {len(columns)} {inner}s, which reads two ways: as "
-            f"{len(columns)} examples, one per {inner} (e.g. ((x0, y0), (x1, y1))), or as "
-            f"{len(columns)} columns of per-example values (e.g. (xs, ys) from zip(*pairs)); "
-            "dpfunc does not guess. Say which: list(dataset) for examples, or one tensor per "
-            "column, e.g. (torch.stack(xs), torch.as_tensor(ys))",
-        )
-    for k, column in enumerate(columns):
-        if not _is_column(column):
-            raise _refusal(
-                TypeError,
-                f"dataset is a {kind}, read as columns, but its element {k} is a "
-                f"{type(column).__name__}, not a tensor or numpy array; convert it with "
-                "torch.as_tensor (torch.stack for a list of tensors)",
-            )
-    tensors = tuple(
-        _from_numpy(c, f"column {k} of the dataset") if _is_ndarray(c) else c
-        for k, c in enumerate(columns)
-    )
-    shapes = {tuple(t.shape) for t in tensors}
-    if isinstance(columns, list) and len(shapes) == 1:
-        (shape,) = shapes
-        if not shape:  # 0-d entries: no columns, so one example each
-            return torch.stack(tensors)
-        raise _refusal(
-            ValueError,
-            f"dataset is a list of {len(tensors)} tensors that all have shape {shape}, which "
-            f"reads two ways: as {len(tensors)} examples of shape {shape}, one per tensor, or "
-            f"as {shape[0]} examples of {len(tensors)} columns (like [x, y], one column per "
-            "entry); dpfunc does not guess. Say which: torch.stack(dataset) for "
-            f"{len(tensors)} examples (with labels: (torch.stack(dataset), labels)), or "
-            f"tuple(dataset) for {shape[0]} examples of {len(tensors)} columns",
-        )
-    return _columns(tensors, kind)
-
-
-def _columns(tensors: tuple[Tensor, ...], kind: str) -> tuple[Tensor, ...]:
-    """``tensors`` as the columns of a dataset, after checking they have rows, as many each."""
-    for k, t in enumerate(tensors):
-        if t.dim() == 0:
-            raise _refusal(
-                ValueError,
-                f"column {k} of the {kind} dataset is 0-d; every column needs rows (for one "
-                "example per tensor, pass torch.stack(dataset))",
-            )
-    sizes = [t.shape[0] for t in tensors]
-    if len(set(sizes)) != 1:
-        raise _refusal(
-            ValueError,
-            f"the columns of a {kind} dataset must share their leading size (one row per "
-            f"example), got sizes {sizes}; one tensor per example must be stacked first "
-            "(torch.stack), after padding them to one shape",
-        )
-    return tensors
-
-
-def _loader_dataset(loader: DataLoader) -> Any:
-    """The dataset behind ``loader``, after checking that ignoring the loader changes no example."""
-    dataset = as_dataset(loader.dataset)  # refuses an iterable dataset, with its reason
-    sampler, batch_sampler = loader.sampler, loader.batch_sampler
-    if type(sampler) not in (SequentialSampler, RandomSampler, DistributedSampler) or (
-        batch_sampler is not None and type(batch_sampler) is not BatchSampler
-    ):
-        chooser = sampler if type(batch_sampler) in (BatchSampler, type(None)) else batch_sampler
-        raise _refusal(
-            TypeError,
-            f"the DataLoader's {type(chooser).__name__} may choose which examples are used, "
-            "and dpfunc reads the loader's whole dataset with Poisson sampling; pass the "
-            "examples to train on as a dataset, e.g. torch.utils.data.Subset(dataset, indices)",
-        )
-    if loader.collate_fn not in (default_collate, default_convert):
-        raise _refusal(
-            TypeError,
-            f"the DataLoader has a custom collate_fn ({loader.collate_fn!r}), which dpfunc "
-            "would not call: it gathers fixed-shape micro-batches itself, so ignoring the "
-            "collate_fn would train on other examples than the loader yields; do per-example "
-            "work in the dataset's __getitem__ and pass the dataset",
-        )
-    warnings.warn(
-        f"dpfunc reads the DataLoader's dataset ({dataset_size(dataset)} examples) and not its "
-        f"sampler ({type(sampler).__name__}), shuffle or batch_size={loader.batch_size}: "
-        "every step draws its examples by Poisson sampling (each example independently with "
-        "probability sample_rate), which the privacy accounting assumes; pass the dataset "
-        "itself to silence this warning",
-        UserWarning,
-        stacklevel=_caller_outside_dpfunc(),
-    )
-    return dataset
-
-
-def _caller_outside_dpfunc() -> int:
-    """The ``stacklevel`` of the nearest caller outside dpfunc: a warning points at user code."""
-    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _hugging_face_kind(dataset: Any) -> str | None:
-    """``"Dataset"`` or ``"DatasetDict"`` for those Hugging Face types, else ``None``."""
-    hf = sys.modules.get("datasets")  # a Hugging Face dataset exists only if this is imported
-    for name in ("Dataset", "DatasetDict"):
-        cls = getattr(hf, name, None)
-        if isinstance(cls, type) and isinstance(dataset, cls):
-            return name
-    return None
-
-
-class _HuggingFaceRows:
-    """A Hugging Face ``datasets.Dataset`` read through its torch format, a batch at a time.
-
-    ``with_format`` returns a view on the same Arrow table: nothing is
-    copied until rows are read.
-    """
-
-    def __init__(self, table: Any) -> None:
-        columns = table.format["columns"]
-        if columns is None:
-            columns = table.column_names
-        refused = [
-            f"{name!r} ({table.features[name]})"
-            for name in columns
-            if not _hf_numeric(table.features[name])
-        ]
-        if refused:
-            raise _refusal(
-                TypeError,
-                f"the Hugging Face dataset's columns {', '.join(refused)} are neither numeric "
-                "nor images; remove them (dataset.remove_columns) or select the others "
-                "(dataset.select_columns), after turning what the model needs into numbers "
-                "(e.g. tokenising text with padding to a fixed length)",
-            )
-        self.table = table.with_format("torch", columns=columns)
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-    def __getitem__(self, i: int) -> dict[str, Tensor]:
-        return self.table[i]
-
-    def rows(self, indices: Tensor) -> dict[str, Tensor]:
-        batch = self.table[indices.tolist()]
-        for name, column in batch.items():
-            if not isinstance(column, Tensor):
-                raise ValueError(
-                    f"column {name!r} of the Hugging Face dataset holds examples of different "
-                    "shapes, which cannot share a micro-batch; pad them to one shape (e.g. "
-                    "padding='max_length' when tokenising) or remove the column"
-                )
-        return batch
-
-
-def _hf_numeric(feature: Any) -> bool:
-    """Whether a Hugging Face feature's torch format is a tensor of numbers."""
-    kind = type(feature).__name__
-    if kind == "Value" or kind.startswith("Array"):  # Value, Array2D ... Array5D
-        dtype = str(feature.dtype)
-        return dtype == "bool" or dtype.startswith(("int", "uint", "float"))
-    if kind in ("List", "LargeList", "Sequence"):
-        return _hf_numeric(feature.feature)
-    if kind == "Image":
-        return bool(feature.decode)
-    return kind == "ClassLabel"
-
-
 def _as_indices(indices: Any, size: int) -> Tensor:
     if isinstance(indices, Tensor):
         tensor = indices.detach()
@@ -1034,40 +595,3 @@ def _as_indices(indices: Any, size: int) -> Tensor:
             f"min {int(tensor.min())} and max {int(tensor.max())}"
         )
     return tensor
-
-
-def _gather(dataset: Any, indices: Tensor, count: int) -> PyTree:
-    """Rows at ``indices`` of an :func:`as_dataset` form: a pytree, leading dim ``len(indices)``."""
-    if isinstance(dataset, Tensor):
-        return dataset.index_select(0, indices.to(dataset.device))
-    if isinstance(dataset, tuple):
-        return tuple(t.index_select(0, indices.to(t.device)) for t in dataset)
-    if isinstance(dataset, _HuggingFaceRows):
-        return dataset.rows(indices)
-    return _gather_items(dataset, indices, count)
-
-
-def _gather_items(dataset: Any, indices: Tensor, count: int) -> PyTree:
-    positions = indices.tolist()
-    items = [dataset[i] for i in positions[:count]]
-    if len(positions) > count:
-        items += [dataset[0]] * (len(positions) - count)
-    flat = [optree.tree_flatten(item) for item in items]
-    spec = flat[0][1]
-    for position, (_, other) in zip(positions, flat):
-        if other != spec:
-            raise ValueError(
-                f"every dataset item must have the same structure; dataset[{position}] has "
-                f"{other}, dataset[{positions[0]}] has {spec}"
-            )
-    columns = []
-    for k in range(spec.num_leaves):
-        collated = default_collate([leaves[k] for leaves, _ in flat])
-        if not isinstance(collated, Tensor):
-            raise _refusal(
-                TypeError,
-                f"leaf {k} of dataset[{positions[0]}] is a {type(flat[0][0][k]).__name__}, "
-                f"which collates to a {type(collated).__name__}, not a tensor",
-            )
-        columns.append(collated)
-    return optree.tree_unflatten(spec, columns)

@@ -38,7 +38,7 @@ from .checks import check_int
 from .clipper import ExampleStats, summarize
 from .clipping import ACCUMULATED_SUMS
 from .config import DPConfig
-from .data import as_dataset, dataset_fingerprint, dataset_size
+from .datasets import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .report import PrivacyReport, privacy_report, steps_within_budget
 from .step import TrainState, TrainStep, check_nonfinite, make_train_step
@@ -52,7 +52,7 @@ class RunPlan:
     Args:
         who: the caller's name, for error messages (``"Trainer"``).
         config: the privacy settings; ``target_epsilon`` needs ``epochs``.
-        dataset: any form :func:`dpfunc.data.as_dataset` accepts (read
+        dataset: any form :func:`dpfunc.datasets.as_dataset` accepts (read
             once, here), with at least one example.
         physical_batch_size: rows per micro-batch; ``None``: each rank's
             share of the expected batch size plus 3 standard deviations.

@@ -112,7 +112,7 @@ class PrivateGradients(PlannedRun):
             calling the model through ``torch.func.functional_call(model,
             params, ...)``; pass ``params`` alone (the model's buffers and
             frozen parameters are then read from the model, live).
-        dataset: any form :func:`dpfunc.data.as_dataset` accepts.
+        dataset: any form :func:`dpfunc.datasets.as_dataset` accepts.
         config: the privacy settings, a :class:`dpfunc.DPConfig`, resolved
             for this dataset (``target_epsilon`` needs ``epochs``); or their
             keyword form (``expected_batch_size=256, clip_norm=1.0,

@@ -59,7 +59,7 @@ class Trainer(PlannedRun):
         dataset: tensors or numpy arrays of rows, a tuple or list of them
             read as columns, a map-style ``Dataset``, a ``DataLoader`` (its
             dataset; Poisson sampling replaces its sampler), or a Hugging
-            Face ``datasets.Dataset``; see :func:`dpfunc.data.as_dataset`.
+            Face ``datasets.Dataset``; see :func:`dpfunc.datasets.as_dataset`.
         optimizer: a :mod:`dpfunc.optim` transformation.
         config: the privacy settings, a :class:`dpfunc.DPConfig` with
             ``epochs`` (``round(epochs * round(n / expected_batch_size))``

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from dpfunc import accounting
+from dpfunc import accounting, pld
 from dpfunc.accounting import Accountant, calibrate_noise_multiplier, epsilon
 
 # A copy of the project's reference numbers (dp-accounting 0.6.0, PLD grid 1e-4).
@@ -346,10 +346,10 @@ def test_gradient_sum_and_private_count_compose_to_one_gaussian():
     composed = dp_accounting.ComposedDpEvent(
         [dp_accounting.GaussianDpEvent(sigma), dp_accounting.GaussianDpEvent(count_sigma)]
     )
-    pld = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
-    pld.compose(composed)
+    accountant = dp_accounting.pld.PLDAccountant(value_discretization_interval=1e-4)
+    accountant.compose(composed)
     assert accounting.epsilon(combined, 1.0, 1, delta) == pytest.approx(
-        pld.get_epsilon(delta), rel=2e-3
+        accountant.get_epsilon(delta), rel=2e-3
     )
     with pytest.raises(ValueError, match="count_noise_multiplier must be a finite number > 0"):
         accounting.combined_noise_multiplier(1.0, 0.0)
@@ -362,7 +362,7 @@ def test_gradient_sum_and_private_count_compose_to_one_gaussian():
 
 def clear_caches():
     accounting._runs_result.cache_clear()
-    accounting._step_losses.cache_clear()
+    pld.step_losses.cache_clear()
     accounting._rdp_orders.cache_clear()
 
 
@@ -452,11 +452,11 @@ def test_one_step_distribution_is_the_librarys(sigma, rate, interval):
     """The vectorised construction gives the library's connect-the-dots PMFs."""
     from dp_accounting.pld import privacy_loss_distribution
 
-    pld = privacy_loss_distribution.from_gaussian_mechanism(
+    library = privacy_loss_distribution.from_gaussian_mechanism(
         sigma, value_discretization_interval=interval, sampling_prob=rate
     )
-    ours = accounting._step_losses(sigma, rate, interval)
-    for side, theirs in zip(ours, (pld._pmf_remove, pld._pmf_add)):
+    ours = pld.step_losses(sigma, rate, interval)
+    for side, theirs in zip(ours, (library._pmf_remove, library._pmf_add)):
         theirs = theirs.to_dense_pmf()
         assert side.lower == theirs._lower_loss
         assert side.inf_mass == pytest.approx(theirs._infinity_mass, rel=1e-9, abs=1e-300)
@@ -481,7 +481,7 @@ def test_without_the_internals_the_library_answers(monkeypatch):
 def test_caches_are_bounded():
     for sigma in np.linspace(2.0, 3.0, 12):
         epsilon(float(sigma), 0.2, 10, 1e-5)
-    assert accounting._step_losses.cache_info().currsize <= 8
+    assert pld.step_losses.cache_info().currsize <= 8
     assert accounting._runs_result.cache_info().maxsize == 256
     assert accounting._rdp_orders.cache_info().maxsize == 256
 
@@ -597,7 +597,7 @@ def test_long_runs_near_the_hand_over_are_never_below_the_library(sigma, rate, s
     assert_pld_matches(epsilon(sigma, rate, steps, delta), theirs, delta)
     # the fast composition on its own (its allowance for the library's rounding), too
     runs = ((sigma, rate, steps),)
-    fast = accounting._pld_epsilon(runs, delta, 1e-4, library=False)
+    fast = pld.epsilon(runs, delta, 1e-4)
     assert theirs <= fast <= theirs * 1.01
 
 
@@ -623,8 +623,8 @@ def test_a_random_grid_is_never_below_the_library_from_scratch(sigma, rate, step
     theirs = library_accountant([(sigma, rate, steps)], "pld").get_epsilon(delta)
     assert_pld_matches(epsilon(sigma, rate, steps, delta), theirs, delta)
     try:
-        fast = accounting._pld_epsilon(((sigma, rate, steps),), delta, 1e-4, library=False)
-    except accounting._Infeasible:  # the allowance reaches delta / 2: the library decides
+        fast = pld.epsilon(((sigma, rate, steps),), delta, 1e-4)
+    except pld.Infeasible:  # the allowance reaches delta / 2: the library decides
         return
     assert fast >= theirs
 
@@ -665,7 +665,7 @@ def test_a_coarser_grid_is_never_below_the_fine_one():
     # epsilon() may fall back to is at or above the 1e-4 grid's value.
     runs, delta = ((0.4, 0.05, 5),), 1e-5
     fine = library_accountant(runs, "pld").get_epsilon(delta)
-    coarse = [accounting._pld_epsilon(runs, delta, 1e-4 * 2**k, library=False) for k in (1, 3, 6)]
+    coarse = [pld.epsilon(runs, delta, 1e-4 * 2**k) for k in (1, 3, 6)]
     assert fine <= coarse[0] <= coarse[1] <= coarse[2] <= fine * 1.001
 
 

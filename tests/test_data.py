@@ -1,4 +1,5 @@
-"""Tests for dpfunc.data: Poisson sampling and fixed-shape padded micro-batches."""
+"""Tests for dpfunc.data and dpfunc.datasets: the accepted dataset forms, Poisson sampling and
+fixed-shape padded micro-batches."""
 
 from __future__ import annotations
 
@@ -24,16 +25,13 @@ from torch.utils.data import (
 
 import dpfunc
 from dpfunc.data import (
-    ACCEPTED_DATASETS,
     PoissonBatches,
-    as_dataset,
-    dataset_fingerprint,
-    dataset_size,
     micro_batches,
     num_micro_batches,
     poisson_sample,
     split_for_rank,
 )
+from dpfunc.datasets import ACCEPTED_DATASETS, as_dataset, dataset_fingerprint, dataset_size
 
 # ----------------------------------------------------------------------------- helpers
 
