@@ -120,10 +120,12 @@ class PrivateGradients(PlannedRun):
             (a ``noise_multiplier`` given), the run has no planned end:
             :meth:`batches` yields until its caller stops or
             ``epsilon_budget`` would be exceeded.
-        physical_batch_size, seed, method, chunk_size, compile, distributed,
-        nonfinite, memory_budget: as for :class:`dpfunc.Trainer` (``seed=None``, the
-        default, draws a secret; ``method="auto"`` uses ghost clipping where
-        it is cheaper).
+        physical_batch_size: as for :class:`dpfunc.Trainer`.
+        seed: as for :class:`dpfunc.Trainer`; ``None``, the default, draws a secret.
+        method: as for :class:`dpfunc.Trainer`; ``"auto"`` uses ghost clipping where
+            it is cheaper.
+        chunk_size, compile, distributed, nonfinite, memory_budget: as for
+            :class:`dpfunc.Trainer`.
         shard: ``True`` (distributed runs only) shards the model with FSDP2's
             ``fully_shard`` unless it is already (:func:`dpfunc.sharding.shard_module`):
             every trainable parameter becomes a ``DTensor`` of this rank's

@@ -36,6 +36,8 @@ COST_CHOICE = "vmap: cheaper than ghost clipping for this layer's shapes (method
 
 @dataclass(frozen=True)
 class GhostModule:
+    """One module the ghost path handles: its path, its parameters and its probes' shapes."""
+
     path: str
     attrs: tuple[tuple[str, str], ...]  # (attribute, parameter name), ghosted only
     bound: tuple[tuple[str, str], ...]  # (attribute, parameter name), every trainable one
