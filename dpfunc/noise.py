@@ -568,7 +568,7 @@ def add_noise(summed: Params, noise: Params, std: float | Tensor) -> Params:
         raise ValueError(f"std must be finite and >= 0, got std={std!r}")
 
     def leaf(s: Tensor, z: Tensor) -> Tensor:
-        if s.dtype != torch.float64 and z.dtype != torch.float64 and not isinstance(std, Tensor):
+        if s.dtype != torch.float64 and z.dtype != torch.float64 and _fused_add(std):
             # the one operation noisy_average's float32 pass runs: the same bits
             return torch.add(s, z, alpha=std).to(s.dtype)
         return (s + std * z).to(s.dtype)
@@ -586,6 +586,18 @@ def average(x: Params, expected_batch_size: float) -> Params:
     """
     check_expected_batch_size(expected_batch_size)
     return tree_map(lambda leaf: leaf / expected_batch_size, x)
+
+
+def _fused_add(std: float | Tensor) -> bool:
+    """Whether ``summed + std * noise`` runs as one ``torch.add(summed, noise, alpha=std)``.
+
+    Eagerly, for a float ``std``: one kernel instead of two. Never in a compiled graph:
+    inductor (torch 2.13) compiled the ghost-clipped step of a Linear weight followed by
+    ``torch.add(summed, noise, alpha=std)`` into one that added the noise twice (held by
+    tests/test_ghost.py's compiled-equals-eager test), while ``summed + std * noise``
+    compiles right and fuses all the same.
+    """
+    return not isinstance(std, Tensor) and not torch.compiler.is_compiling()
 
 
 def noisy_average(
@@ -629,9 +641,9 @@ def noisy_average(
     def leaf(s: Tensor, z: Tensor, p: Tensor) -> Tensor:
         out = torch.float64 if p.dtype == torch.float64 else torch.float32
         if s.dtype != torch.float64 and z.dtype != torch.float64:  # float32 throughout
-            if isinstance(std, Tensor):
-                return (s + std * z).div_(expected_batch_size).to(out)
-            return torch.add(s, z, alpha=std).div_(expected_batch_size).to(out)
+            if _fused_add(std):
+                return torch.add(s, z, alpha=std).div_(expected_batch_size).to(out)
+            return ((s + std * z) / expected_batch_size).to(out)
         if compiling:
             return ((s + std * z) / expected_batch_size).to(out)
         # std * z at z's precision (as add_noise), widened exactly; then s + w and / B in float64
