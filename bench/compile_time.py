@@ -35,7 +35,7 @@ variant in a fresh process with an empty cache folder and
 ``torch.compile``, the backward through AOTAutograd, SGD eager), and
 ``harness.dpfunc_step(method="auto", compile=True)`` (``make_train_step(...,
 model=model)``, drawing its noise in the timed call) under
-``dpfunc.compiling.compile_fullgraph`` and under a plain ``torch.compile(step,
+``dpfunc._compiling.compile_fullgraph`` and under a plain ``torch.compile(step,
 fullgraph=True)``. Each is timed on its first and second call.
 
 Import time (``import torch, dpfunc``) is reported apart. Where the

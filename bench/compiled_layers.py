@@ -3,7 +3,7 @@
 Runs every case of ``tests/test_compiled_layers.py`` (``CASES``) on
 ``method="ghost"`` and ``method="auto"``: a float32 private step without
 noise, clipped at the median per-example norm, eagerly and compiled whole
-with Inductor (``dpfunc.compiling.compile_fullgraph(step)``) from the same
+with Inductor (``dpfunc._compiling.compile_fullgraph(step)``) from the same
 state. Each row gives the compiled status (``equal`` within the tests'
 tolerance, ``DIFFERS``, or the error's first line), the largest relative
 difference of the updates and the seconds of the first compiled call (the

@@ -3,7 +3,7 @@
 Four EmbeddingBag tables (sum mode) each pool one bag of indices per example; an MLP
 reads their concatenation and predicts a click (two classes). One example is one bag per
 table, called as ``bag(x.unsqueeze(0)[:, k])`` (a 2-D input ``[1, L]``), so the loss sees a
-batch of one. Methods: eager and compiled (``dpfunc.compiling.compile_fullgraph``, as
+batch of one. Methods: eager and compiled (``dpfunc._compiling.compile_fullgraph``, as
 dpfunc compiles) non-private PyTorch, dpfunc ``method="vmap"`` and ``method="ghost"``.
 
 Run: ``.venv/bin/python bench/embedding_bag.py`` (writes bench/embedding_bag.json and .md;

@@ -31,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere
 import dpfunc  # noqa: E402
-from dpfunc.compiling import compile_fullgraph  # noqa: E402
+from dpfunc._compiling import compile_fullgraph  # noqa: E402
 
 # --- settings -----------------------------------------------------------------
 

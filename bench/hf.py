@@ -31,7 +31,7 @@ bench/harness.py's builders (same names) with a forward that calls the model on
 ``(input_ids, attention_mask)`` and the workload's loss: ``nonprivate`` (eager PyTorch,
 mean loss, SGD), ``dpfunc_ghost`` (dpfunc's default step, ``make_train_step(...,
 model=model)``, method "auto"), ``dpfunc_vmap`` (method "vmap"), each eager and under
-``torch.compile(fullgraph=True)`` as dpfunc compiles (``dpfunc.compiling.compile_fullgraph``),
+``torch.compile(fullgraph=True)`` as dpfunc compiles (``dpfunc._compiling.compile_fullgraph``),
 ``dpfunc_ghost_only`` (method "ghost", eager: with ``dpfunc_vmap``, what "auto" chooses
 between), ``dpfunc_batched`` and ``dpfunc_batched_compiled`` (the default step with the
 workload's loss as a batched loss, ``dpfunc.batched_loss``: one loss per sequence for the

@@ -108,7 +108,7 @@ from dp_accounting.pld import privacy_loss_mechanism as _plm
 from dp_accounting.rdp import rdp_privacy_accountant as _rdp_module
 
 from . import pld
-from .checks import check_choice, check_int, check_number
+from ._checks import check_choice, check_int, check_number
 from .pld import Runs
 
 __all__ = [

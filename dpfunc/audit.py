@@ -51,7 +51,7 @@ import torch
 from scipy import optimize, stats
 from torch import Tensor, nn
 
-from .checks import check_int, check_number
+from ._checks import check_int, check_number
 from .noise import secret_seed
 from .tree import Params
 

@@ -68,8 +68,8 @@ from tqdm.auto import tqdm
 from . import checkpoint as _checkpoint
 from . import distributed as _distributed
 from . import optim
+from ._checks import check_choice, check_int, check_number
 from .accounting import epsilon as _epsilon
-from .checks import check_choice, check_int, check_number
 from .report import steps_within_budget
 from .tree import Params
 

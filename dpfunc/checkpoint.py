@@ -6,7 +6,7 @@ and the states of the clip and noise mechanisms: the clip norm and the
 banded noise history), the accountant's history, the run's privacy
 settings, the history, the secret seed and the run's lineage. A resumed
 run continues the accounting and the state; with a secret seed it draws
-its samples and noise afresh (the fork rule, :mod:`dpfunc.plan`), with a
+its samples and noise afresh (the fork rule, :mod:`dpfunc._plan`), with a
 fixed one it ends bit-identical to an uninterrupted run. The sampler's
 state is the secret; the partitions are derived again from it on loading. **A checkpoint is as
 sensitive as the training data**: with the seed, anyone can remove the noise
@@ -78,7 +78,7 @@ VERSION = 5
 A version 4 checkpoint loads (its lineage is taken as empty, so any run
 resumed from it may replace it). Since version 5 a run resumed from a
 secret-seeded checkpoint draws fresh samples and noise (the fork rule,
-:meth:`dpfunc.plan.RunPlan.continue_run`), so no resume replays a step.
+:meth:`dpfunc._plan.RunPlan.continue_run`), so no resume replays a step.
 
 Version 3's releases drew each step's noise from one generator over the
 whole tree; version 4's draw it block by block (:data:`dpfunc.noise.NOISE_BLOCK`),

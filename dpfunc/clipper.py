@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from . import memory
-from .checks import check_choice, check_devices, check_int
+from ._checks import check_choice, check_devices, check_int
+from ._compiling import check_allow_rnn, recurrent_paths
 from .clipping import (
     ClippingPolicy,
     accumulation_dtype,
@@ -35,7 +36,6 @@ from .clipping import (
     per_sample_norms,
     rounding_scope,
 )
-from .compiling import check_allow_rnn, recurrent_paths
 from .config import DPConfig
 from .ghost import GhostClipper, ghost_clip
 from .memory import check_memory_budget

@@ -54,7 +54,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .checks import check_choice, check_int, check_number
+from ._checks import check_choice, check_int, check_number
 from .tree import Params, PyTree, tree_leaves, tree_map
 
 Groups = Mapping[str, Sequence[str]]
@@ -212,7 +212,7 @@ sums and then the ranks' sums in float64; each addition can round every
 contribution by ``2**-53``. The number of micro-batches follows the realised
 Poisson batch, so the margin uses this fixed public count instead: about a
 million micro-batches and ranks together, a relative ``1.2e-10``.
-The Trainer's plan (:class:`dpfunc.plan.RunPlan`) refuses a physical batch size that could
+The Trainer's plan (:class:`dpfunc._plan.RunPlan`) refuses a physical batch size that could
 split a logical batch into more.
 """
 

@@ -43,8 +43,8 @@ import math
 import warnings
 from typing import Any, NamedTuple
 
+from ._checks import check_choice, check_int, check_number
 from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
-from .checks import check_choice, check_int, check_number
 from .clipping import CLIPPING_MODES, ClipMechanism, adaptive_clipping, fixed_clipping
 from .data import PoissonBatches, Sampler, poisson_sampler
 from .datasets import as_dataset, dataset_size

@@ -55,7 +55,7 @@ import optree
 import torch
 from torch import Tensor
 
-from .checks import check_int, check_number
+from ._checks import check_int, check_number
 from .datasets import as_dataset, dataset_size, gather_rows
 from .noise import check_seed, keyed_generator, secret_seed
 

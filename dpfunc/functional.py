@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from .checks import BATCH_NORMS, check_int, check_per_example  # noqa: F401 (check_per_example: public here)
+from ._checks import BATCH_NORMS, check_int, check_per_example  # noqa: F401 (check_per_example: public here)
 from .ghost import torch_class
 from .tree import Params
 

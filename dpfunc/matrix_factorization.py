@@ -56,7 +56,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .checks import check_int
+from ._checks import check_int
 from .noise import NoiseMechanism, NoiseState
 from .tree import Params, check_same_structure, tree_leaves, tree_map, tree_structure
 

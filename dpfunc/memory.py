@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .checks import check_int
+from ._checks import check_int
 from .tree import Params, tree_leaves
 
 __all__ = [

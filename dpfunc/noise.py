@@ -88,7 +88,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import check_choice, check_number
+from ._checks import check_choice, check_number
 from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_map, tree_structure
 
 SECRET_BITS = 256

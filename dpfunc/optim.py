@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from .checks import check_number
+from ._checks import check_number
 from .tree import Params, PyTree, check_same_structure, tree_map
 
 State = Any  # a NamedTuple (or tuple) of tensors

@@ -40,8 +40,8 @@ from torch import Tensor
 from torch.func import grad_and_value, vmap
 from torch.nn.utils.rnn import PackedSequence
 
-from .batched_attention import batched_attention
-from .checks import check_devices, check_int
+from ._batched_attention import batched_attention
+from ._checks import check_devices, check_int
 from .tree import Params, PyTree, tree_leaves
 
 LossFn = Callable[[Params, PyTree], Any]
@@ -148,7 +148,7 @@ def vmap_over_examples(fn: Callable, *, in_dims: tuple, chunk_size: int | None) 
 
     Random operations draw independently per example (``randomness=
     "different"``). Compiled, attention calls run torch's math kernel where it
-    is small (:func:`dpfunc.batched_attention.batched_attention`): vmap has no
+    is small (:func:`dpfunc._batched_attention.batched_attention`): vmap has no
     batching rule for the fused kernels. While it runs eagerly, Hugging Face transformers' tracing
     guard answers yes (see the module docstring), so its models take their
     trace-safe path with padding masks, and :func:`explain_loss_errors`

@@ -67,13 +67,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import checkpoint as _checkpoint
 from . import optim
-from .checks import check_choice, check_int
+from ._checks import check_choice, check_int
+from ._plan import PlannedRun, RunPlan
 from .config import DPConfig, config_from
 from .data import MicroBatch
 from .distributed import broadcast_from_rank0
 from .functional import functionalize
 from .per_sample import LossFn
-from .plan import PlannedRun, RunPlan
 from .sharding import dtensor_class, fsdp_hooks_off, reshard, shard_module
 from .step import NONFINITE, NoiseAhead, StepNoise, TrainState
 from .tree import Params, tree_map

@@ -24,8 +24,8 @@ import dataclasses
 from typing import Any
 
 from . import accounting
+from ._checks import check_int, check_number
 from .accounting import Accountant, max_steps_within, participations
-from .checks import check_int, check_number
 from .config import DPConfig
 
 __all__ = ["NOT_COVERED", "PrivacyReport", "privacy_report", "steps_within_budget"]

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import check_int, check_number
+from ._checks import check_int, check_number
 
 __all__ = [
     "Schedule",

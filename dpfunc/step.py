@@ -55,9 +55,9 @@ import torch
 from torch import Tensor, nn
 
 from . import optim
+from ._compiling import compile_fullgraph
 from .clipper import ExampleStats, make_clipper, summarize
 from .clipping import FLOAT32_SUMS, ClipState, accumulation_dtype, unclipped_count
-from .compiling import compile_fullgraph
 from .config import DPConfig, config_from
 from .noise import NoiseState, noisy_average, standard_normal_like
 from .per_sample import LossFn, explain_example_error
@@ -401,7 +401,7 @@ class TrainStep:
         run each micro-batch's sum and the noise, average and update through
         ``torch.compile(fullgraph=True)``, with Dynamo's RNN support on and
         logging calls in traced code left out, in a scope that ends with each
-        call (:func:`dpfunc.compiling.compile_fullgraph`); the collectives
+        call (:func:`dpfunc._compiling.compile_fullgraph`); the collectives
         between them run eagerly. The results are the same as eager ones.
         """
         self._sum = compile_fullgraph(self._accumulate)

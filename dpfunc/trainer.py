@@ -30,11 +30,11 @@ from torch import nn
 
 from . import checkpoint as _checkpoint
 from . import optim
+from ._checks import check_choice, check_int, check_params
+from ._plan import PlannedRun, RunPlan
 from .callbacks import StepMeter, built_in, check_callbacks, learning_rate, run_hook
-from .checks import check_choice, check_int, check_params
 from .config import DPConfig, config_from
 from .per_sample import LossFn
-from .plan import PlannedRun, RunPlan
 from .step import NONFINITE, NoiseAhead, TrainState
 from .tree import Params
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import profile
 
-from dpfunc import batched_attention as ba
+from dpfunc import _batched_attention as ba
 from dpfunc.per_sample import vmap_over_examples
 
 B, H, T, D = 4, 2, 8, 4

@@ -24,7 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 import dpfunc
-from dpfunc.compiling import compile_fullgraph
+from dpfunc._compiling import compile_fullgraph
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_compiled_layers import CASES, B, projected  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 
 import dpfunc
 from dpfunc import accounting, data, optim
-from dpfunc.checks import check_choice, check_int, check_number
+from dpfunc._checks import check_choice, check_int, check_number
 
 
 def loss(p, x):

@@ -8,7 +8,7 @@ MultiheadAttention with ``add_bias_kv``, ``add_zero_attn`` and ``kdim``/``vdim``
 and RNN/GRU/LSTM stacked and bidirectional. A float32 step without noise,
 clipped at the median per-example norm (so some examples are clipped and
 some are not), runs eagerly, then compiled whole by
-:func:`dpfunc.compiling.compile_fullgraph` (Inductor) from the same state: the two
+:func:`dpfunc._compiling.compile_fullgraph` (Inductor) from the same state: the two
 updates agree to float32 rounding, on ``method="ghost"`` and ``"auto"``.
 
 A few cases run by default (``slow``); the whole matrix is ``heavy``
@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 
 import dpfunc
-from dpfunc.compiling import compile_fullgraph
+from dpfunc._compiling import compile_fullgraph
 
 B = 6  # examples per batch
 RTOL = 1e-4  # compiled against eager: max |difference| / max |eager update|, per parameter
@@ -345,7 +345,7 @@ def test_a_step_compiled_without_allow_rnn_names_the_setting():
     with pytest.raises(RuntimeError) as error:
         compiled(state, batch, torch.ones(B), noise)
     assert "torch._dynamo.config.allow_rnn = True" in str(error.value)
-    assert "dpfunc.compiling.compile_fullgraph(step)" in str(error.value)
+    assert "step.compile()" in str(error.value)
     assert "'rnn'" in str(error.value)  # the layer, by its path
     assert "Attempted to wrap RNN" not in str(error.value)
     torch._dynamo.reset()
@@ -358,7 +358,7 @@ def test_a_step_compiled_without_allow_rnn_names_the_setting():
 
 
 def test_check_allow_rnn_is_silent_eagerly_and_without_recurrent_layers():
-    from dpfunc.compiling import check_allow_rnn, recurrent_paths
+    from dpfunc._compiling import check_allow_rnn, recurrent_paths
 
     model = nn.Sequential(nn.Linear(2, 2), Recurrent(nn.GRU))
     assert recurrent_paths(model) == ("1.rnn",)

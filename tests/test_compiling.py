@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call
 
 import dpfunc
-from dpfunc.compiling import compile_fullgraph, dynamo_settings
+from dpfunc._compiling import compile_fullgraph, dynamo_settings
 
 with contextlib.suppress(ImportError):  # transformers adds warning_once to every logger
     import transformers.utils.logging  # noqa: F401

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dpfunc
-from dpfunc.checks import check_devices
+from dpfunc._checks import check_devices
 from dpfunc.data import micro_batches
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,5 +1,6 @@
 """The package's layout: no module imports another in a circle, ghost internals stay inside,
-and the size limits a reader relies on hold.
+private modules (a leading underscore) declare no ``__all__``, and the size limits a reader
+relies on hold.
 
 The import graph is read from the source (every ``import`` and ``from ... import``
 statement, also inside functions and ``if TYPE_CHECKING:`` blocks), so a circle
@@ -100,6 +101,23 @@ def test_only_the_ghost_package_imports_its_internals():
         if not name.startswith("dpfunc.ghost")
     }
     assert not {name: ts for name, ts in reaching_in.items() if ts}
+
+
+def defines_all(path: Path) -> bool:
+    """Whether the module at ``path`` assigns ``__all__`` at its top level."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
+            return True
+    return False
+
+
+def test_private_modules_export_nothing():
+    """A module named with a leading underscore is internal: it declares no ``__all__``."""
+    private = {name for name in MODULES if name.rpartition(".")[2].startswith("_")}
+    assert {"dpfunc._checks", "dpfunc._compiling", "dpfunc._plan"} <= private
+    assert sorted(name for name in private if defines_all(MODULES[name])) == []
+    assert defines_all(MODULES["dpfunc"]) and defines_all(MODULES["dpfunc.trainer"])
 
 
 # -- size limits ---------------------------------------------------------------------------

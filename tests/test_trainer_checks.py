@@ -135,7 +135,7 @@ def test_clean_data_records_zero_and_warns_nothing(make):
 
 
 def test_more_micro_batches_than_the_clip_margin_covers_are_refused(monkeypatch, make):
-    monkeypatch.setattr(dpfunc.plan, "ACCUMULATED_SUMS", 100)
+    monkeypatch.setattr(dpfunc._plan, "ACCUMULATED_SUMS", 100)
     with pytest.raises(ValueError, match="physical_batch_size=1 could split .* more than 100"):
         make(physical_batch_size=1)
     make(physical_batch_size=2)  # 60 micro-batches at most

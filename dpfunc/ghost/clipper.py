@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 
 from .. import memory
-from ..checks import check_devices, check_per_example
+from .._checks import check_devices, check_per_example
 from ..clipping import ClippingPolicy, clipped_sum, per_sample_norms
 from ..losses import BatchedLoss
 from ..per_sample import per_sample_grads_and_losses

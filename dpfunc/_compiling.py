@@ -52,8 +52,6 @@ from typing import Any, TypeVar
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["check_allow_rnn", "compile_fullgraph", "dynamo_settings", "recurrent_paths"]
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 # logging.Logger methods whose calls a compiled step leaves out (those that exist when called:
@@ -96,8 +94,7 @@ def check_allow_rnn(paths: tuple[str, ...]) -> None:
         named = ", ".join(repr(p) for p in paths)
         raise RuntimeError(
             f"the model's recurrent layers ({named}) compile only with Dynamo's RNN support, "
-            "off in this torch.compile call: compile the step with "
-            "dpfunc.compiling.compile_fullgraph(step) (or step.compile(), or "
+            "off in this torch.compile call: compile the step with step.compile() (or "
             "Trainer(compile=True)), which turn it on for their calls only, or set "
             "torch._dynamo.config.allow_rnn = True before torch.compile(step, fullgraph=True)"
         )

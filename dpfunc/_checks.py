@@ -21,15 +21,6 @@ from typing import Any
 import optree
 import torch
 
-__all__ = [
-    "check_choice",
-    "check_devices",
-    "check_int",
-    "check_number",
-    "check_params",
-    "check_per_example",
-]
-
 
 def _fail(name: str, requirement: str, value: Any) -> ValueError:
     return ValueError(f"{name} must be {requirement}, got {name}={value!r}")

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import distributed as _distributed
+from ._checks import check_int
 from .accounting import epsilon as _epsilon
 from .accounting import max_steps_within
-from .checks import check_int
 from .clipper import ExampleStats, summarize
 from .clipping import ACCUMULATED_SUMS
 from .config import DPConfig
@@ -42,8 +42,6 @@ from .datasets import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .report import PrivacyReport, privacy_report, steps_within_budget
 from .step import TrainState, TrainStep, check_nonfinite, make_train_step
-
-__all__ = ["PlannedRun", "RunPlan"]
 
 
 class RunPlan:

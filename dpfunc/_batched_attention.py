@@ -32,8 +32,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["MATH_SCORES", "batched_attention"]
-
 MATH_SCORES = 2**24
 """Attention scores (rows x heads x queries x keys) up to which a call under vmap runs the
 math kernel: 64 MiB per float32 copy, of which the kernel holds about four."""
