@@ -10,6 +10,8 @@ function body over 80 lines, no public function with more than 14 parameters.
 """
 
 import ast
+import importlib
+import inspect
 from pathlib import Path
 
 import dpfunc
@@ -238,3 +240,48 @@ def test_no_public_function_has_more_than_14_parameters():
     assert {name: n for name, n in counts.items() if n > PUBLIC_MAX_PARAMETERS} == {}
     assert "dpfunc.trainer.Trainer.__init__" in counts
     assert "dpfunc.step.make_train_step" in counts
+
+
+# -- the step's doors and the public surface ------------------------------------------------
+
+# a logical batch in one micro-batch, in many, and the private gradient without the optimizer
+STEP_DOORS = {"__call__", "logical_step", "logical_gradient"}
+STEP_METHODS = STEP_DOORS | {"init", "compile", "explain", "draw_noise", "full_params"}
+STEP_METHOD_MAX_LINES = 40
+# ceilings, not targets: a new public name is a decision, made here
+TOP_LEVEL_NAMES = 37  # dpfunc.__all__
+PUBLIC_NAMES = 241  # every public module's __all__ together, dpfunc's own included
+
+
+def test_the_train_step_has_two_doors_and_the_gradient_only_one():
+    methods = {
+        name
+        for name, value in vars(dpfunc.TrainStep).items()
+        if callable(value) and (not name.startswith("_") or name in STEP_DOORS)
+    }
+    assert methods == STEP_METHODS
+    takes_batches = {
+        name
+        for name in methods
+        if {"batch", "micro_batches"}
+        & set(inspect.signature(getattr(dpfunc.TrainStep, name)).parameters)
+    }
+    assert takes_batches == STEP_DOORS | {"explain"}  # explain plans, it releases nothing
+
+
+def test_no_train_step_method_is_over_40_lines():
+    methods = {
+        name: body_lines(node)
+        for name, node, _ in FUNCTIONS
+        if name.startswith("dpfunc.step.TrainStep.")
+    }
+    assert len(methods) > 10
+    assert {name: n for name, n in methods.items() if n > STEP_METHOD_MAX_LINES} == {}
+
+
+def test_the_public_names_are_counted():
+    public = [name for name in MODULES if not any(p.startswith("_") for p in name.split(".")[1:])]
+    exported = {name: importlib.import_module(name).__dict__.get("__all__", ()) for name in public}
+    assert len(dpfunc.__all__) <= TOP_LEVEL_NAMES
+    assert sum(len(names) for names in exported.values()) <= PUBLIC_NAMES
+    assert len(exported["dpfunc.clipper"]) > 0  # the measure reads the modules' __all__
