@@ -19,7 +19,7 @@ from . import (
 )
 from .clipper import ExampleStats, summarize
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
-from .config import DPConfig
+from .config import DPConfig, SpeedConfig
 from .functional import check_per_example, functionalize, replace_batchnorm
 from .losses import BatchedLoss, batched_loss
 from .noise import add_noise, average, secret_seed, standard_normal_like
@@ -38,6 +38,7 @@ __all__ = [
     "LogicalBatch",
     "PrivacyReport",
     "PrivateGradients",
+    "SpeedConfig",
     "TrainState",
     "TrainStep",
     "Trainer",

@@ -25,6 +25,7 @@ fixed seed resumes bit-identically (it is public anyway).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 import warnings
@@ -37,7 +38,7 @@ from .accounting import epsilon as _epsilon
 from .accounting import max_steps_within
 from .clipper import ExampleStats, summarize
 from .clipping import ACCUMULATED_SUMS
-from .config import DPConfig
+from .config import DPConfig, SpeedConfig
 from .datasets import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .report import PrivacyReport, privacy_report, steps_within_budget
@@ -136,24 +137,24 @@ class RunPlan:
         """The secret that keys the samples and the noise of the steps to come (never print it)."""
         return self.batches.seed
 
-    def make_step(self, loss_fn: Any, optimizer: Any, *, shard: bool, **how: Any) -> TrainStep:
-        """The run's step: single-process, data-parallel, or sharded (``shard=True``).
+    def make_step(self, loss_fn: Any, optimizer: Any, speed: SpeedConfig) -> TrainStep:
+        """The run's step: single-process, data-parallel, or sharded (``speed.shard``).
+
+        ``speed.physical_batch_size`` is this plan's (its sampler's), not the step's.
 
         Raises:
-            TypeError: ``shard`` is not a bool.
             ValueError: ``shard=True`` in a run that is not distributed.
         """
-        if not isinstance(shard, bool):
-            raise TypeError(f"shard must be a bool, got shard={shard!r}")
+        speed = dataclasses.replace(speed, physical_batch_size=None)  # the sampler's, read here
         if not self.distributed:
-            if shard:
+            if speed.shard:
                 raise ValueError(
                     "shard=True splits the model over the ranks of a distributed run; this run "
                     "is on one process (launch with torchrun, call dpfunc.distributed.init(), "
                     "and leave distributed=None or True)"
                 )
-            return make_train_step(loss_fn, optimizer, self.config, **how)
-        return _distributed.make_train_step(loss_fn, optimizer, self.config, shard=shard, **how)
+            return make_train_step(loss_fn, optimizer, self.config, speed=speed)
+        return _distributed.make_train_step(loss_fn, optimizer, self.config, speed=speed)
 
     def adopt_seed(self, seed: int) -> None:
         """Takes a loaded run's drawn secret: the partitions are derived again from it."""

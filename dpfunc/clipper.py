@@ -24,10 +24,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import memory
-from ._checks import check_choice, check_devices, check_int
+from ._checks import check_devices
 from ._compiling import check_allow_rnn, recurrent_paths
 from .clipping import (
     ClippingPolicy,
@@ -36,15 +36,12 @@ from .clipping import (
     per_sample_norms,
     rounding_scope,
 )
-from .config import DPConfig
+from .config import DPConfig, SpeedConfig
 from .ghost import GhostClipper, ghost_clip
-from .memory import check_memory_budget
 from .per_sample import LossFn, batch_size, explain_example_error, per_sample_grads_and_losses
 from .tree import Params, PyTree, tree_add, tree_leaves, tree_map
 
-__all__ = ["METHODS", "Clipper", "ExampleStats", "make_clipper", "summarize"]
-
-METHODS = ("auto", "vmap", "ghost")
+__all__ = ["Clipper", "ExampleStats", "make_clipper", "summarize"]
 
 
 class ExampleStats(NamedTuple):
@@ -102,27 +99,24 @@ def summarize(stats: ExampleStats) -> dict[str, Tensor]:
 class Clipper:
     """One micro-batch's clipped sum as a function; built by :func:`make_clipper`."""
 
-    def __init__(
-        self,
-        loss_fn: LossFn,
-        config: DPConfig,
-        *,
-        model: nn.Module | None,
-        method: str,
-        chunk_size: int | None,
-        memory_budget: int | None,
-    ):
+    def __init__(self, loss_fn: LossFn, config: DPConfig, speed: SpeedConfig):
         self.loss_fn = loss_fn
         self.clip_norm = float(config.clip_norm)
         self.clipping = config.clipping
-        self.method = method
-        self.chunk_size = chunk_size
-        self.memory_budget = memory_budget
+        self.method = speed.method
+        self.chunk_size = speed.chunk_size
+        self.memory_budget = speed.memory_budget
         self._warned_budget = False
-        self._recurrent = recurrent_paths(model)  # checked when Dynamo traces the step
+        self._recurrent = recurrent_paths(speed.model)  # checked when Dynamo traces the step
         self.ghost = (
-            GhostClipper(model, loss_fn, method, memory_budget=memory_budget, vmap_sum=self._timed)
-            if model is not None and method != "vmap"
+            GhostClipper(
+                speed.model,
+                loss_fn,
+                speed.method,
+                memory_budget=speed.memory_budget,
+                vmap_sum=self._timed,
+            )  # fmt: skip
+            if speed.model is not None and speed.method != "vmap"
             else None
         )
 
@@ -317,24 +311,15 @@ class Clipper:
         return self._vmap_rows(params, batch, mask, self.clip_norm, len(mask), policy)[0]
 
 
-def make_clipper(
-    loss_fn: LossFn,
-    config: DPConfig,
-    *,
-    model: nn.Module | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
-    memory_budget: int | None = None,
-) -> Clipper:
+def make_clipper(loss_fn: LossFn, config: DPConfig, speed: SpeedConfig | None = None) -> Clipper:
     """The clipped sum of one micro-batch as a function: ``clip(params, batch, mask)``.
 
     Args:
         loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
         config: the privacy settings; the clipper reads ``clip_norm`` and ``clipping``.
-        model: the ``nn.Module`` that ``loss_fn`` calls; enables ghost clipping.
-        method: ``"auto"``, ``"vmap"`` or ``"ghost"`` (see :func:`dpfunc.make_train_step`).
-        chunk_size: at most this many rows' per-example gradients at once (vmap path).
-        memory_budget: bytes the vmap path's per-example gradients may take at once.
+        speed: how the sum is computed (:class:`~dpfunc.SpeedConfig`: ``model``
+            for ghost clipping, ``method``, ``chunk_size``, ``memory_budget``);
+            ``None``: the defaults (vmap without a model).
 
     Returns:
         A :class:`Clipper`; ``clip(params, batch, mask, clip_norm=None)``
@@ -348,31 +333,8 @@ def make_clipper(
     >>> summed, stats = clip({"w": torch.zeros(2)}, torch.tensor([[3.0, 4.0], [0.3, 0.4]]), None)
     >>> [round(v, 4) for v in summed["w"].tolist()], stats.norm.tolist()
     ([0.9, 1.2], [5.0, 0.5])
-
-    Raises:
-        ValueError: an unknown ``method``, ``method="ghost"`` without
-            ``model``, a ``chunk_size`` or ``memory_budget`` that is not an int >= 1.
-        TypeError: ``model`` is not an ``nn.Module``.
     """
-    if chunk_size is not None:
-        check_int("chunk_size", chunk_size, minimum=1)
-    memory_budget = check_memory_budget(memory_budget)
-    check_choice("method", method, METHODS)
-    if model is not None and not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module or None, got {type(model).__name__}")
-    if method == "ghost" and model is None:
-        raise ValueError(
-            "method='ghost' needs model=, the nn.Module that loss_fn calls through "
-            "torch.func.functional_call; got model=None"
-        )
-    return Clipper(
-        loss_fn,
-        config,
-        model=model,
-        method=method,
-        chunk_size=chunk_size,
-        memory_budget=memory_budget,
-    )
+    return Clipper(loss_fn, config, SpeedConfig() if speed is None else speed)
 
 
 def _row_slice(start: int, stop: int) -> Callable[[Any], Any]:

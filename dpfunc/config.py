@@ -1,12 +1,14 @@
-"""Privacy settings as data: one frozen, validated configuration.
+"""Settings as data: the privacy settings and the speed settings, each frozen and validated once.
 
 A :class:`DPConfig` holds what decides a run's privacy and nothing else: the
 clip norm and clipping mode, the noise (a ``noise_multiplier``, or a
 ``target_epsilon`` with ``delta`` and ``epochs`` to calibrate one), the
 expected batch size, adaptive clipping, correlated noise (``bands``), the
 accountant, the epsilon budget and the noise generator. How fast the step
-runs (``method``, ``physical_batch_size``, ``chunk_size``, ``compile``) is
-not in it.
+runs (``model`` for ghost clipping, ``method``, ``chunk_size``,
+``memory_budget``, ``compile``, ``physical_batch_size``, ``shard``) is a
+:class:`SpeedConfig` beside it: it changes the time and the memory of a
+step, never what the step releases (beyond float rounding).
 
 It is checked once, when it is built, and it is the one source the step,
 the sampler and the accountant read, so the accountant records exactly
@@ -43,15 +45,27 @@ import math
 import warnings
 from typing import Any, NamedTuple
 
+from torch import nn
+
 from ._checks import check_choice, check_int, check_number
 from .accounting import Accountant, calibrate_noise_multiplier, combined_noise_multiplier
 from .clipping import CLIPPING_MODES, ClipMechanism, adaptive_clipping, fixed_clipping
 from .data import PoissonBatches, Sampler, poisson_sampler
 from .datasets import as_dataset, dataset_size
 from .matrix_factorization import banded_noise, normalized_coefficients
+from .memory import check_memory_budget
 from .noise import NoiseMechanism, check_expected_batch_size, independent_noise
 
-__all__ = ["CLIPPING_MODES", "AccountingEvent", "DPConfig", "config_from"]
+__all__ = [
+    "CLIPPING_MODES",
+    "METHODS",
+    "AccountingEvent",
+    "DPConfig",
+    "SpeedConfig",
+    "settings_from",
+]
+
+METHODS = ("auto", "vmap", "ghost")
 
 ACCOUNTING = ("pld", "rdp")
 
@@ -381,28 +395,105 @@ class DPConfig:
             sigma = (accounted**-2 - count**-2) ** -0.5
         return dataclasses.replace(self, noise_multiplier=sigma, target_epsilon=None, delta=delta)
 
-    @classmethod
-    def from_keywords(cls, who: str, settings: dict[str, Any]) -> DPConfig:
-        """A config from the keyword form of ``who`` (e.g. ``make_train_step``).
 
-        Raises:
-            TypeError: a keyword is not a privacy setting (the message lists them).
-        """
-        _check_known(who, settings)
-        return cls(**settings)
+@dataclasses.dataclass(frozen=True)
+class SpeedConfig:
+    """How fast, and in how much memory, a private step runs; never what it releases.
 
+    Args:
+        model: the ``nn.Module`` the loss calls through ``functional_call``;
+            enables ghost clipping (``PrivateGradients`` fills in its model).
+        method: ``"auto"`` (ghost clipping where cheaper), ``"vmap"`` or
+            ``"ghost"`` (needs ``model``); see :func:`dpfunc.make_train_step`.
+        chunk_size: at most this many rows' per-example gradients at once
+            (the vmap path), or ``None``.
+        memory_budget: bytes the vmap path's per-example gradients may take
+            at once, or ``None``.
+        compile: run the step's local pieces through
+            ``torch.compile(fullgraph=True)`` (:meth:`dpfunc.TrainStep.compile`).
+        physical_batch_size: rows per micro-batch of the Trainer's and
+            ``PrivateGradients``' sampler (``None``: the expected batch per
+            rank plus 3 std); a step built alone takes micro-batches as given.
+        shard: shard the parameters, optimizer state and noise history over
+            the ranks of a distributed run (:mod:`dpfunc.sharding`).
 
-def config_from(who: str, config: DPConfig | None, settings: dict[str, Any]) -> DPConfig:
-    """``config``, or one built from the keyword form of ``who``; not both.
+    Privacy: every setting here changes the order of float operations at
+    most; the clip margin covers that rounding, so the guarantee is the
+    config's whatever the speed settings.
+
+    >>> import dpfunc
+    >>> dpfunc.SpeedConfig(method="vmap", chunk_size=32).chunk_size
+    32
 
     Raises:
-        TypeError: both ``config`` and keyword settings, or an unknown keyword.
+        ValueError: an unknown ``method``, ``method="ghost"`` without
+            ``model``, a ``chunk_size``, ``memory_budget`` or
+            ``physical_batch_size`` that is not an int >= 1.
+        TypeError: ``model`` is not an ``nn.Module``, ``compile`` or
+            ``shard`` is not a bool.
     """
+
+    model: nn.Module | None = None
+    method: str = "auto"
+    chunk_size: int | None = None
+    memory_budget: int | None = None
+    compile: bool = False
+    physical_batch_size: int | None = None
+    shard: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, nn.Module):
+            raise TypeError(
+                f"model must be a torch.nn.Module or None, got {type(self.model).__name__}"
+            )
+        check_choice("method", self.method, METHODS)
+        if self.method == "ghost" and self.model is None:
+            raise ValueError(
+                "method='ghost' needs model=, the nn.Module that loss_fn calls through "
+                "torch.func.functional_call; got model=None"
+            )
+        for name in ("chunk_size", "physical_batch_size"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), minimum=1)
+        check_memory_budget(self.memory_budget)
+        for name in ("compile", "shard"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
+
+
+def settings_from(
+    who: str, config: DPConfig | None, speed: SpeedConfig | None, settings: dict[str, Any]
+) -> tuple[DPConfig, SpeedConfig]:
+    """``(config, speed)``, each given or built from ``who``'s keywords; never both for one.
+
+    The keyword form names the fields of :class:`DPConfig` and of
+    :class:`SpeedConfig` (``clip_norm=1.0, model=model``); they are split by
+    name and each dataclass validates its own.
+
+    Raises:
+        TypeError: a config (or speed) and keywords of it too, an unknown
+            keyword (the message lists both dataclasses' fields), a
+            ``speed`` that is not a ``SpeedConfig``.
+    """
+    _check_known(who, settings)
+    fast = {name: settings.pop(name) for name in _fields(SpeedConfig) if name in settings}
+    if speed is None:
+        speed = SpeedConfig(**fast)
+    elif not isinstance(speed, SpeedConfig):
+        raise TypeError(f"{who}: speed must be a dpfunc.SpeedConfig, got speed={speed!r}")
+    elif fast:
+        raise TypeError(
+            f"{who} takes the speed settings either as speed= or as keywords, not both; "
+            f"got speed and {sorted(fast)}"
+        )
+    return _config_from(who, config, settings), speed
+
+
+def _config_from(who: str, config: DPConfig | None, settings: dict[str, Any]) -> DPConfig:
     if config is None:
-        return DPConfig.from_keywords(who, settings)
+        return DPConfig(**settings)
     if not isinstance(config, DPConfig):
         raise TypeError(f"{who}: config must be a dpfunc.DPConfig, got config={config!r}")
-    _check_known(who, settings)  # a typo is named as a typo, not as a second config
     if settings:
         raise TypeError(
             f"{who} takes the privacy settings either as config= or as keywords, not both; "
@@ -411,11 +502,16 @@ def config_from(who: str, config: DPConfig | None, settings: dict[str, Any]) -> 
     return config
 
 
+def _fields(kind: type) -> list[str]:
+    return [field.name for field in dataclasses.fields(kind)]
+
+
 def _check_known(who: str, settings: dict[str, Any]) -> None:
-    names = [field.name for field in dataclasses.fields(DPConfig)]
-    unknown = sorted(set(settings) - set(names))
+    privacy, speed = _fields(DPConfig), _fields(SpeedConfig)
+    unknown = sorted(set(settings) - set(privacy) - set(speed))
     if unknown:
         raise TypeError(
             f"{who} got unexpected keyword arguments {unknown}; its privacy settings "
-            f"(dpfunc.DPConfig) are {names}"
+            f"(dpfunc.DPConfig) are {privacy} and its speed settings (dpfunc.SpeedConfig) "
+            f"are {speed}"
         )

@@ -91,11 +91,11 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import optim
 from .clipper import ExampleStats
-from .config import DPConfig, config_from
+from .config import DPConfig, SpeedConfig, settings_from
 from .noise import SECRET_BITS, secret_seed
 from .per_sample import LossFn
 from .sharding import DrawnNoise, Sharding, check_elementwise, require_fsdp2
@@ -598,11 +598,7 @@ def make_train_step(
     optimizer: optim.GradientTransformation,
     config: DPConfig | None = None,
     *,
-    model: nn.Module | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
-    memory_budget: int | None = None,
-    shard: bool = False,
+    speed: SpeedConfig | None = None,
     **settings: Any,
 ) -> TrainStep:
     """:func:`dpfunc.make_train_step` for data-parallel training on a process group.
@@ -621,28 +617,29 @@ def make_train_step(
     shared standard-normal trees and of the noise history in the state,
     which every rank updates identically.
 
-    ``shard=True`` shards the parameters, the optimizer state and the noise
-    history over the ranks (:mod:`dpfunc.sharding`): ``init`` keeps this
-    rank's rows of rank 0's parameters, ``state.params`` are those rows,
+    ``shard=True`` (a :class:`~dpfunc.SpeedConfig` field) shards the
+    parameters, the optimizer state and the noise history over the ranks
+    (:mod:`dpfunc.sharding`): ``init`` keeps this rank's rows of rank 0's
+    parameters, ``state.params`` are those rows,
     :meth:`~dpfunc.TrainStep.full_params` gathers the whole ones, and the
     result equals the single-process step's to float rounding.
 
     Raises:
         RuntimeError: no process group is initialised (call :func:`init`).
-        ValueError, TypeError: as :func:`dpfunc.make_train_step`; ``shard``
-            is not a bool.
+        ValueError, TypeError: as :func:`dpfunc.make_train_step`.
     """
-    config = config_from("dpfunc.distributed.make_train_step", config, settings)
-    if not isinstance(shard, bool):
-        raise TypeError(f"shard must be a bool, got shard={shard!r}")
-    chosen = sharded_collectives(config, optimizer) if shard else collectives(config)
+    who = "dpfunc.distributed.make_train_step"
+    config, speed = settings_from(who, config, speed, settings)
+    if speed.physical_batch_size is not None:
+        raise ValueError(
+            f"{who} takes micro-batches as given: physical_batch_size sets a sampler's "
+            f"micro-batches; got physical_batch_size={speed.physical_batch_size!r}"
+        )
+    chosen = sharded_collectives(config, optimizer) if speed.shard else collectives(config)
     return TrainStep(
         loss_fn,
         optimizer,
         config,
-        model=model,
-        method=method,
-        chunk_size=chunk_size,
-        memory_budget=memory_budget,
+        speed=speed,
         collectives=chosen,
     )

@@ -53,6 +53,7 @@ a micro-batch replaced or augmented in place: augmentation belongs in
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 import weakref
@@ -69,7 +70,7 @@ from . import checkpoint as _checkpoint
 from . import optim
 from ._checks import check_choice, check_int
 from ._plan import PlannedRun, RunPlan
-from .config import DPConfig, config_from
+from .config import DPConfig, SpeedConfig, settings_from
 from .data import MicroBatch
 from .distributed import broadcast_from_rank0
 from .functional import functionalize
@@ -120,13 +121,12 @@ class PrivateGradients(PlannedRun):
             (a ``noise_multiplier`` given), the run has no planned end:
             :meth:`batches` yields until its caller stops or
             ``epsilon_budget`` would be exceeded.
-        physical_batch_size: as for :class:`dpfunc.Trainer`.
-        seed: as for :class:`dpfunc.Trainer`; ``None``, the default, draws a secret.
-        method: as for :class:`dpfunc.Trainer`; ``"auto"`` uses ghost clipping where
-            it is cheaper.
-        chunk_size, compile, distributed, nonfinite, memory_budget: as for
-            :class:`dpfunc.Trainer`.
-        shard: ``True`` (distributed runs only) shards the model with FSDP2's
+        speed: the speed settings, a :class:`dpfunc.SpeedConfig` (or their
+            keyword form, ``method="vmap", physical_batch_size=64, ...``), as
+            for :class:`dpfunc.Trainer`; its ``model`` is this ``model`` (left
+            out, it is filled in; another module is refused). ``method="auto"``
+            uses ghost clipping where it is cheaper. ``shard=True``
+            (distributed runs only) shards the model with FSDP2's
             ``fully_shard`` unless it is already (:func:`dpfunc.sharding.shard_module`):
             every trainable parameter becomes a ``DTensor`` of this rank's
             rows (of rank 0's parameters, unless the model came sharded), so
@@ -147,20 +147,18 @@ class PrivateGradients(PlannedRun):
         dataset: Any,
         *,
         config: DPConfig | None = None,
-        physical_batch_size: int | None = None,
+        speed: SpeedConfig | None = None,
         seed: int | None = None,
-        method: str = "auto",
-        chunk_size: int | None = None,
-        compile: bool = False,
         distributed: bool | None = None,
         nonfinite: str = "warn",
-        memory_budget: int | None = None,
-        shard: bool = False,
         **settings: Any,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        config = config_from("PrivateGradients", config, settings)
+        if speed is None:  # the keyword form: the model trained is the speed settings' model
+            settings.setdefault("model", model)
+        config, speed = settings_from("PrivateGradients", config, speed, settings)
+        speed = _with_model(speed, model)
         check_choice("nonfinite", nonfinite, NONFINITE)
         functionalize(model)  # refuses BatchNorm; lets vmap see recurrent layers' hidden state
         self.model = model
@@ -170,29 +168,25 @@ class PrivateGradients(PlannedRun):
             "PrivateGradients",
             config,
             dataset,
-            physical_batch_size=physical_batch_size,
+            physical_batch_size=speed.physical_batch_size,
             seed=seed,
             distributed=distributed,
             require_epochs=False,
         )
         self.config = plan.config
-        self.step_fn = plan.make_step(  # the optimizer is the user's: an identity stands in
-            loss_fn, optim.chain(), model=model, method=method, chunk_size=chunk_size,
-            memory_budget=memory_budget, shard=shard,
-        )  # fmt: skip
+        # the optimizer is the user's: an identity stands in
+        self.step_fn = plan.make_step(loss_fn, optim.chain(), speed)
         if plan.distributed:  # rank 0's model everywhere (then fully_shard keeps rows of it)
             _copy_rank0_model(model)
-        if shard:
+        if speed.shard:
             shard_module(model)
         self._trainable = _trainable(model)  # what backward may write to, checked each time
         self._shapes = {name: p.shape for name, p in self._trainable}
-        if compile:
-            self.step_fn.compile()
         self.nonfinite = nonfinite
         self._warned_nonfinite = False
         whole = (
             {name: p.full_tensor().detach() for name, p in self._trainable}
-            if shard
+            if speed.shard
             else self._live_params()
         )
         self.state: TrainState = self.step_fn.init(whole)  # distributed: rank 0's (rows)
@@ -723,3 +717,15 @@ def _like(p: Tensor, values: Tensor) -> Tensor:
 def _trainable(model: nn.Module) -> list[tuple[str, Tensor]]:
     """``(name, parameter)`` for each trainable parameter, tied ones once (as functionalize)."""
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+def _with_model(speed: SpeedConfig, model: nn.Module) -> SpeedConfig:
+    """``speed`` with ``model`` as its module: filled in, or refused if it names another."""
+    if speed.model is None:
+        return dataclasses.replace(speed, model=model)
+    if speed.model is not model:
+        raise ValueError(
+            "speed.model must be the model PrivateGradients trains (or left out); got "
+            f"another module, a {type(speed.model).__name__}"
+        )
+    return speed

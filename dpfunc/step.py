@@ -52,13 +52,13 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import optim
 from ._compiling import compile_fullgraph
 from .clipper import ExampleStats, make_clipper, summarize
 from .clipping import FLOAT32_SUMS, ClipState, accumulation_dtype, unclipped_count
-from .config import DPConfig, config_from
+from .config import DPConfig, SpeedConfig, settings_from
 from .noise import NoiseState, noisy_average, standard_normal_like
 from .per_sample import LossFn, explain_example_error
 from .tree import Params, PyTree, check_same_structure, tree_add, tree_map
@@ -191,9 +191,9 @@ class TrainStep:
     private gradient :class:`dpfunc.PrivateGradients` writes into ``p.grad``).
 
     ``config`` (a :class:`~dpfunc.DPConfig` with its noise multiplier
-    resolved) holds the privacy settings; ``model``, ``method``,
-    ``chunk_size`` and ``memory_budget`` only change how fast (and in how
-    much memory) :attr:`clip` computes the same sum (:func:`dpfunc.clipper.make_clipper`).
+    resolved) holds the privacy settings; ``speed`` (a
+    :class:`~dpfunc.SpeedConfig`) only changes how fast (and in how much
+    memory) :attr:`clip` computes the same sum (:func:`dpfunc.clipper.make_clipper`).
     ``collectives`` (:class:`Collectives`) combine the ranks' shares of a
     logical batch: :data:`LOCAL` on one process.
     """
@@ -204,11 +204,8 @@ class TrainStep:
         optimizer: optim.GradientTransformation,
         config: DPConfig | None = None,
         *,
-        model: nn.Module | None = None,
-        method: str = "auto",
-        chunk_size: int | None = None,
+        speed: SpeedConfig | None = None,
         collectives: Collectives = LOCAL,
-        memory_budget: int | None = None,
         **settings: Any,
     ):
         if not callable(loss_fn):
@@ -221,17 +218,12 @@ class TrainStep:
                 "optimizer must be an (init, update) pair such as dpfunc.optim.sgd(lr=0.1), "
                 f"got {type(optimizer).__name__}"
             )
-        config = config_from("TrainStep", config, settings)  # or its keyword form
+        config, speed = settings_from("TrainStep", config, speed, settings)  # or keywords
+        _check_speed(speed, collectives)
         self.noise_std = config.noise_std  # fails for a config not yet calibrated
         # clip(params, batch, mask, clip_norm) -> one micro-batch's clipped sum and stats
-        self.clip = make_clipper(
-            loss_fn,
-            config,
-            model=model,
-            method=method,
-            chunk_size=chunk_size,
-            memory_budget=memory_budget,
-        )
+        self.clip = make_clipper(loss_fn, config, speed)
+        self.speed = speed
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         self.config = config
@@ -245,6 +237,8 @@ class TrainStep:
         self.clip_mechanism = config.clip_mechanism()
         # the local pieces between the collectives, which compile() compiles
         self._sum, self._update, self._release = self._accumulate, self._apply, self._private
+        if speed.compile:
+            self.compile()
 
     # the settings the mechanisms were built with: read-only, since changing one here
     # would not change the mechanism (build another step from another config)
@@ -696,123 +690,79 @@ def make_train_step(
     optimizer: optim.GradientTransformation,
     config: DPConfig | None = None,
     *,
-    model: nn.Module | None = None,
-    method: str = "auto",
-    chunk_size: int | None = None,
-    memory_budget: int | None = None,
+    speed: SpeedConfig | None = None,
     **settings: Any,
 ) -> TrainStep:
     """Builds the DP-SGD step (Abadi et al. 2016).
 
     Args:
-        loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
+        loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example (or a
+            :func:`dpfunc.batched_loss`).
         optimizer: a :mod:`dpfunc.optim` transformation, e.g. ``optim.adam(1e-3)``.
         config: the privacy settings, a :class:`~dpfunc.DPConfig` with a
-            ``noise_multiplier`` (or ``config.calibrated(num_examples)``):
-            ``clip_norm`` ``C`` (``inf`` disables clipping, only with
-            ``noise_multiplier=0``: no privacy), ``noise_multiplier`` ``sigma``
-            (noise std ``sigma * C``), ``expected_batch_size`` (the
-            denominator of the average, never the realised batch size),
-            ``clipping``: ``"flat"`` (all parameters together),
-            ``"per_layer"`` (each module's parameters bounded by ``C /
-            sqrt(num_modules)``, McMahan et al. 2018) or ``"normalized"``
-            (automatic clipping, Bu et al. 2022, factor ``C / (norm +
-            0.01)``), each bounding an example's whole contribution by ``C``;
-            ``target_quantile`` (adaptive clipping, Andrew et al. 2021:
-            ``state.clip_state`` starts at ``clip_norm`` and after each step
-            moves by ``exp(-quantile_learning_rate * (noisy_count /
-            expected_batch_size - gamma))``, where ``noisy_count`` is the
-            logical batch's count of unclipped examples plus
-            ``count_noise_multiplier`` times a standard normal, passed as
-            ``count_noise``; accounted with
-            :func:`dpfunc.accounting.combined_noise_multiplier`); ``bands``
-            (``b > 1``: correlated noise, the banded square root
-            factorization, DP-BandMF, Kalinin and Lampert 2024: step ``t``
-            adds ``sigma * C * w_t`` with ``w = C^{-1} z`` for the strategy
-            normalised to unit column norm, keeping the last ``b - 1`` draws
-            in ``state.noise_state``; needs cyclic Poisson sampling,
-            ``config.sampler``, and ``expected_batch_size = sample_rate *
-            num_examples / b``).
-        model: the ``nn.Module`` that ``loss_fn`` calls through
-            ``torch.func.functional_call``; enables ghost clipping. dpfunc
-            registers forward hooks on its covered submodules (inert outside
-            a ghost pass).
-        method: ``"vmap"`` (every example's gradient is materialised),
-            ``"ghost"`` (ghost clipping with book-keeping, Li et al. 2022,
-            Bu et al. 2023: per-example norms and the clipped sum from each
-            covered layer's input and output gradient; needs ``model``) or
-            ``"auto"`` (the default: with ``model``, ghost clipping for each
-            covered module whose per-example norm is cheaper from its inputs
-            and output gradients than from its materialised gradient, i.e. a
-            Linear or convolution with ``T`` positions per example and
-            ``T = 1`` or ``T^2 < d_in * d_out``, an Embedding with ``T^2 <
-            16 num_embeddings``, and recurrent and normalisation layers; vmap
-            for the rest, and plain vmap when that leaves nothing to ghost;
-            eagerly, the first call for each batch shape then chooses between
-            that plan and plain vmap, from shapes where they are decisive
-            (a ``memory_budget`` vmap would exceed: ghost; every example's
-            gradient together small: vmap; ``Linear`` layers only, one
-            position per example: ghost) and otherwise from three timings
-            of each, alternately, by their minima (see
-            :mod:`dpfunc.ghost.clipper`); without ``model``, vmap). Ghost covers ``Linear``,
-            ``Embedding``, ``Conv1d``/``Conv2d``, ``LayerNorm``, ``GroupNorm`` and ``RNN`` / ``GRU``
-            / ``LSTM`` (unrolled, without ``proj_size``); every other parameter, and any covered
-            module it cannot vouch for (called twice, inside a nested ``torch.func`` transform, tied
-            or used outside its call, behind another forward hook), gets per-example gradients from
-            vmap in the same pass, or the whole step falls back to vmap; a ``UserWarning`` names the
-            reasons once per step. All three clipping modes are supported and the result equals the
-            vmap path's.
-        chunk_size: the vmap path computes a micro-batch's clipped sum at
-            most this many rows at a time, so that only their per-example
-            gradients are held at once (bounding memory at some cost in
-            speed; the ghost path passes it to ``vmap`` for the parameters it
-            leaves to vmap). ``None``: all rows together, or what
-            ``memory_budget`` allows.
-        memory_budget: bytes (an int > 0) that the vmap path's per-example
-            gradients may take at once, or ``None`` (default, no budget).
-            Without an explicit ``chunk_size`` the vmap path then works in
-            chunks of :func:`dpfunc.memory.chunk_for_budget` rows (at least
-            one: a budget below one example's gradient is not met); a
-            ``chunk_size`` over the budget is kept, with a warning. With
-            ``method="auto"``, a model the ghost path covers whose
-            full-batch per-example gradients would exceed the budget is
-            ghost-clipped without timing. The result is the same with or
-            without a budget, up to the order of float additions (covered by
-            the clip margin). Activations and the non-private backward are
-            not counted: the budget bounds what DP adds, not the peak.
-        **settings: the keyword form: ``DPConfig``'s fields
-            (``clip_norm=1.0, noise_multiplier=1.1, expected_batch_size=256,
-            ...``) instead of ``config``.
+            ``noise_multiplier`` (``config.calibrated(num_examples)`` resolves a
+            ``target_epsilon``): clip norm, noise, expected batch size, clipping
+            mode, adaptive clipping, correlated noise.
+        speed: how fast the same sum is computed, a :class:`~dpfunc.SpeedConfig`:
+            ``model`` (the ``nn.Module`` that ``loss_fn`` calls through
+            ``torch.func.functional_call``; enables ghost clipping), ``method``
+            (``"auto"``, the default: ghost clipping for the layers where it is
+            cheaper, vmap for the rest; ``"vmap"``; ``"ghost"``, Li et al. 2022,
+            Bu et al. 2023), ``chunk_size``, ``memory_budget``, ``compile``. All
+            give the same sum; docs/performance.md says how ``"auto"``
+            chooses, and :meth:`TrainStep.explain` shows its plan.
+        **settings: the keyword form: ``DPConfig``'s and ``SpeedConfig``'s
+            fields (``clip_norm=1.0, noise_multiplier=1.1,
+            expected_batch_size=256, model=model``) instead of ``config`` and ``speed``.
 
     Returns:
-        A :class:`TrainStep` ``step`` with ``step.init(params) -> state`` and
-        ``step(state, batch, mask, noise) -> (state, metrics)``, where
-        ``mask[B]`` marks real rows (0 for padding), ``noise`` is
-        ``dpfunc.standard_normal_like(params, seed, step)``, and
-        ``metrics`` is :func:`summarize` (not private). For a logical batch
-        split into micro-batches use :meth:`TrainStep.logical_step`, or
-        ``step.zeros``, ``step.accumulate`` and ``step.apply``.
-        ``torch.compile(step, fullgraph=True)`` compiles one graph that
-        serves every step of a fixed batch shape.
+        A :class:`TrainStep`: ``state = step.init(params)``, then
+        ``step(state, batch, mask, noise) -> (state, metrics)`` for a logical
+        batch in one micro-batch (``mask[B]``: 0 for padding rows; ``noise``:
+        ``dpfunc.standard_normal_like(params, seed, step)``; ``metrics``:
+        :func:`~dpfunc.clipper.summarize`, not private) or
+        :meth:`TrainStep.logical_step` for one in many.
+        ``torch.compile(step, fullgraph=True)`` compiles one graph for every
+        step of a fixed batch shape.
+
+    Privacy: each example's contribution to the clipped sum has norm at most
+    ``clip_norm``, rounding included; the noise ``noise_multiplier *
+    clip_norm`` is added once per logical batch, and the average divides by
+    ``expected_batch_size``, never the realised batch size.
+
+    >>> import dpfunc, torch
+    >>> step = dpfunc.make_train_step(lambda p, x: (p["w"] * x).sum(), dpfunc.optim.sgd(lr=1.0),
+    ...     clip_norm=1.0, noise_multiplier=0.0, expected_batch_size=2)
+    >>> state = step.init({"w": torch.zeros(2)})
+    >>> state, _ = step(state, torch.tensor([[3.0, 4.0], [0.0, 0.5]]), None, {"w": torch.zeros(2)})
+    >>> [round(v, 3) for v in state.params["w"].tolist()]  # -(0.6 + 0, 0.8 + 0.5) / 2
+    [-0.3, -0.65]
 
     Raises:
-        ValueError: a privacy setting is invalid (see :class:`DPConfig`), a
-            config with ``target_epsilon`` not yet calibrated, an unknown
-            ``method``, ``method="ghost"`` without ``model``, a
-            ``chunk_size`` or ``memory_budget`` that is not an int >= 1; at call time,
-            a batch, mask or noise tree that does not match, or a non-scalar
-            loss.
-        TypeError: ``optimizer`` is not an (init, update) pair, ``model`` is
-            not an ``nn.Module``, both ``config`` and keyword settings, or an
-            unknown keyword.
+        ValueError: an invalid privacy or speed setting (see :class:`DPConfig`
+            and :class:`SpeedConfig`), a config not yet calibrated,
+            ``physical_batch_size`` (a sampler's setting: a step takes
+            micro-batches as given) or ``shard=True`` (use
+            :func:`dpfunc.distributed.make_train_step`).
+        TypeError: ``optimizer`` is not an (init, update) pair, both a config
+            (or speed) and its keywords, or an unknown keyword.
     """
-    config = config_from("make_train_step", config, settings)
-    return TrainStep(
-        loss_fn,
-        optimizer,
-        config,
-        model=model,
-        method=method,
-        chunk_size=chunk_size,
-        memory_budget=memory_budget,
-    )
+    config, speed = settings_from("make_train_step", config, speed, settings)
+    if speed.physical_batch_size is not None:
+        raise ValueError(
+            "make_train_step takes micro-batches as given: physical_batch_size sets the "
+            "micro-batches of the Trainer's and PrivateGradients' sampler (or of "
+            f"config.sampler(dataset, physical_batch_size, ...)); got "
+            f"physical_batch_size={speed.physical_batch_size!r}"
+        )
+    return TrainStep(loss_fn, optimizer, config, speed=speed)
+
+
+def _check_speed(speed: SpeedConfig, collectives: Collectives) -> None:
+    """Raises ``ValueError`` for a ``shard`` the step's collectives do not carry out."""
+    if speed.shard != collectives.sharded:
+        raise ValueError(
+            f"shard={speed.shard!r} but the step's collectives are "
+            f"{'sharded' if collectives.sharded else 'not sharded'}: a sharded step comes from "
+            "dpfunc.distributed.make_train_step(..., shard=True) in a distributed run"
+        )

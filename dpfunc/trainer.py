@@ -24,30 +24,18 @@ Distributed: launch every rank with ``torchrun`` and call
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
-
-from torch import nn
 
 from . import checkpoint as _checkpoint
 from . import optim
 from ._checks import check_choice, check_int, check_params
 from ._plan import PlannedRun, RunPlan
 from .callbacks import StepMeter, built_in, check_callbacks, learning_rate, run_hook
-from .config import DPConfig, config_from
+from .config import DPConfig, SpeedConfig, settings_from
 from .per_sample import LossFn
 from .step import NONFINITE, NoiseAhead, TrainState
 from .tree import Params
-
-# keyword options beside the privacy settings, with their defaults (see Trainer)
-OPTIONS = {
-    "eval_fn": None,
-    "checkpoint_path": None,
-    "checkpoint_every": None,
-    "distributed": None,
-    "shard": False,
-    "nonfinite": "warn",
-    "memory_budget": None,
-}
 
 
 class Trainer(PlannedRun):
@@ -72,43 +60,45 @@ class Trainer(PlannedRun):
             checkpoint and progress bar.
         progress: show a tqdm bar with loss, epsilon and examples/s
             (:class:`dpfunc.callbacks.ProgressBar`).
-        physical_batch_size: rows per micro-batch (the compiled shape);
-            default: the expected batch size (per rank) plus 3 std.
         seed: the secret that keys the samples and the noise. ``None``
             (default) draws one from the OS CSPRNG (distributed: on rank 0,
             broadcast); such a Trainer adopts a loaded checkpoint's seed if
             it was drawn too. An int makes the run reproducible, and
             **whoever knows it can remove the noise**: for public data or
             debugging only.
-        model, method, chunk_size: how the clipped sum is computed (ghost
-            clipping needs ``model``), as for :func:`dpfunc.make_train_step`;
-            ``trainer.step_fn.explain(trainer.params, batch)`` shows the plan.
-        compile: run the step's pieces through ``torch.compile(fullgraph=True)``.
-        **options: ``eval_fn(params) -> dict[str, float]``, called after
-            each epoch, its results in the history
-            (:class:`dpfunc.callbacks.Evaluate`); ``checkpoint_path``, saved
-            after every epoch and every ``checkpoint_every`` steps, and
-            resumed from (with a warning) if it exists, so rerunning an
-            interrupted script continues the run
-            (:class:`dpfunc.callbacks.Checkpoint`); ``distributed``:
-            ``None`` (default) trains data-parallel exactly when a
+        speed: how fast the step runs, a :class:`dpfunc.SpeedConfig`:
+            ``model``, ``method``, ``chunk_size`` and ``memory_budget`` as for
+            :func:`dpfunc.make_train_step` (ghost clipping needs ``model``;
+            ``trainer.step_fn.explain(trainer.params, batch)`` shows the
+            plan); ``compile`` runs the step's pieces through
+            ``torch.compile(fullgraph=True)``; ``physical_batch_size``: rows
+            per micro-batch (the compiled shape; default: the expected batch
+            size per rank plus 3 std); ``shard=True`` shards the parameters,
+            the optimizer state and the noise history over the ranks
+            (:mod:`dpfunc.sharding`; needs a distributed run): ``params`` are
+            then this rank's rows, :meth:`full_params` gathers them, and
+            checkpoints are ``torch.distributed.checkpoint`` directories,
+            loadable on another number of ranks.
+        eval_fn: ``eval_fn(params) -> dict[str, float]``, called after each
+            epoch, its results in the history (:class:`dpfunc.callbacks.Evaluate`).
+        checkpoint_path: saved after every epoch and every
+            ``checkpoint_every`` steps, and resumed from (with a warning) if it
+            exists, so rerunning an interrupted script continues the run
+            (:class:`dpfunc.callbacks.Checkpoint`).
+        checkpoint_every: steps between checkpoints (``None``: epochs only).
+        distributed: ``None`` (default) trains data-parallel exactly when a
             ``torch.distributed`` process group is initialised, ``True``
             requires one, ``False`` trains on this process alone (every rank
-            builds the Trainer with the same arguments, checked, and calls
-            the same methods; ``fit``, ``train_step``, ``save`` and ``load``
-            are collective); ``shard``: ``True`` shards the parameters, the
-            optimizer state and the noise history over the ranks
-            (:mod:`dpfunc.sharding`; needs a distributed run): ``params``
-            are then this rank's rows, :meth:`full_params` gathers them,
-            and checkpoints are ``torch.distributed.checkpoint``
-            directories, loadable on another number of ranks; ``nonfinite``: ``"warn"`` (default) or
-            ``"error"`` about examples with a NaN/inf gradient, always left
-            out of the sum (:func:`dpfunc.step.check_nonfinite`);
-            ``memory_budget``: bytes the per-example gradients may take at
-            once, as for :func:`dpfunc.make_train_step` (default ``None``). The
-            keyword form of the privacy settings:
-            ``DPConfig``'s fields (``epochs=3, expected_batch_size=256,
-            clip_norm=1.0, target_epsilon=3.0, ...``) instead of ``config``.
+            builds the Trainer with the same arguments, checked, and calls the
+            same methods; ``fit``, ``train_step``, ``save`` and ``load`` are
+            collective).
+        nonfinite: ``"warn"`` (default) or ``"error"`` about examples with a
+            NaN/inf gradient, always left out of the sum
+            (:func:`dpfunc.step.check_nonfinite`).
+        **settings: the keyword form: ``DPConfig``'s and ``SpeedConfig``'s
+            fields (``epochs=3, expected_batch_size=256, clip_norm=1.0,
+            target_epsilon=3.0, model=model, ...``) instead of ``config`` and
+            ``speed``.
 
     Raises:
         ValueError, TypeError: an argument is invalid; every argument is
@@ -123,37 +113,32 @@ class Trainer(PlannedRun):
         *,
         optimizer: optim.GradientTransformation,
         config: DPConfig | None = None,
+        speed: SpeedConfig | None = None,
         callbacks: list[Any] | tuple[Any, ...] = (),
         progress: bool = True,
-        physical_batch_size: int | None = None,
         seed: int | None = None,
-        model: nn.Module | None = None,
-        method: str = "auto",
-        chunk_size: int | None = None,
-        compile: bool = False,
-        **options: Any,
+        eval_fn: Callable[[Params], dict[str, float]] | None = None,
+        checkpoint_path: str | os.PathLike | None = None,
+        checkpoint_every: int | None = None,
+        distributed: bool | None = None,
+        nonfinite: str = "warn",
+        **settings: Any,
     ):
-        run = {name: options.pop(name, default) for name, default in OPTIONS.items()}
-        config = config_from("Trainer", config, options)
+        config, speed = settings_from("Trainer", config, speed, settings)
         check_params(params)
-        before, after = built_in(run.pop("eval_fn"), run.pop("checkpoint_path"),
-                                 run.pop("checkpoint_every"), progress)  # fmt: skip
+        before, after = built_in(eval_fn, checkpoint_path, checkpoint_every, progress)
         user_callbacks = check_callbacks(callbacks)
-        check_choice("nonfinite", run["nonfinite"], NONFINITE)
+        check_choice("nonfinite", nonfinite, NONFINITE)
         self.plan = plan = RunPlan(
-            "Trainer", config, dataset, physical_batch_size=physical_batch_size, seed=seed,
-            distributed=run["distributed"], require_epochs=True,
+            "Trainer", config, dataset, physical_batch_size=speed.physical_batch_size, seed=seed,
+            distributed=distributed, require_epochs=True,
         )  # fmt: skip
         self.config = config = plan.config
         self.batches = plan.batches  # the Poisson sampler the secret seed keys
-        self.nonfinite = run["nonfinite"]
+        self.nonfinite = nonfinite
         self._warned_nonfinite = False
-        self.step_fn = plan.make_step(
-            loss_fn, optimizer, model=model, method=method, chunk_size=chunk_size,
-            memory_budget=run["memory_budget"], shard=run["shard"],
-        )  # fmt: skip
-        if compile:
-            self.step_fn.compile()  # the collectives run eagerly between the compiled pieces
+        # compiled (speed.compile): the collectives run eagerly between the compiled pieces
+        self.step_fn = plan.make_step(loss_fn, optimizer, speed)
         self.state: TrainState = self.step_fn.init(params)  # distributed: rank 0's params
         self.accountant = config.accountant()
         self.history: list[dict[str, float]] = []

@@ -6,6 +6,7 @@ bit; it is public, as the data is: a fixed seed is for tests and research only.
 
 import dataclasses
 import functools
+import inspect
 import math
 import re
 
@@ -332,3 +333,69 @@ def test_a_mistyped_keyword_beside_a_config_is_named_as_such():
     with pytest.raises(TypeError, match=r"unexpected keyword arguments \['clip_nrom'\]"):
         dpfunc.make_train_step(lambda p, x: p["w"].sum(), dpfunc.optim.sgd(lr=0.1), config,
                                clip_nrom=2.0)  # fmt: skip
+
+
+# -- the speed settings as data ---------------------------------------------------------------
+
+
+def test_speed_settings_are_one_frozen_validated_object_or_its_keywords(problem):
+    loss_fn, params, _, model = problem()
+    opt = dpfunc.optim.sgd(lr=0.1)
+    speed = dpfunc.SpeedConfig(model=model, method="vmap", chunk_size=4, memory_budget=2**20)
+    given = dpfunc.make_train_step(loss_fn, opt, config(), speed=speed)
+    keywords = dpfunc.make_train_step(
+        loss_fn, opt, **BASE, model=model, method="vmap", chunk_size=4, memory_budget=2**20
+    )
+    assert given.speed == keywords.speed == speed and given.config == keywords.config
+    assert keywords.clip.chunk_size == 4 and keywords.clip.ghost is None  # vmap: no ghost pass
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        speed.method = "ghost"
+    with pytest.raises(TypeError, match="either as speed= or as keywords"):
+        dpfunc.make_train_step(loss_fn, opt, config(), speed=speed, method="auto")
+    with pytest.raises(TypeError, match=r"speed must be a dpfunc.SpeedConfig"):
+        dpfunc.make_train_step(loss_fn, opt, config(), speed={"method": "vmap"})
+    with pytest.raises(TypeError, match=r"\['metod'\].*SpeedConfig\) are \['model', 'method'"):
+        dpfunc.make_train_step(loss_fn, opt, config(), metod="vmap")
+
+
+@pytest.mark.parametrize(
+    "fields, error, match",
+    [
+        (dict(method="ghost"), ValueError, "method='ghost' needs model="),
+        (dict(method="fast"), ValueError, "method"),
+        (dict(chunk_size=0), ValueError, "chunk_size must be an int >= 1, got chunk_size=0"),
+        (dict(physical_batch_size=2.5), ValueError, "physical_batch_size"),
+        (dict(memory_budget=-1), ValueError, "memory_budget"),
+        (dict(compile="yes"), TypeError, "compile must be a bool, got compile='yes'"),
+        (dict(shard=1), TypeError, "shard must be a bool"),
+        (dict(model=object()), TypeError, "model must be a torch.nn.Module or None"),
+    ],
+)
+def test_a_bad_speed_setting_is_refused_when_built(fields, error, match):
+    with pytest.raises(error, match=match):
+        dpfunc.SpeedConfig(**fields)
+
+
+def test_each_speed_setting_reaches_the_step_that_uses_it_or_is_refused(problem):
+    loss_fn, params, dataset, model = problem()
+    opt = dpfunc.optim.sgd(lr=0.1)
+    with pytest.raises(ValueError, match="takes micro-batches as given: physical_batch_size"):
+        dpfunc.make_train_step(loss_fn, opt, config(), physical_batch_size=8)
+    with pytest.raises(ValueError, match="shard=True but the step's collectives are not sharded"):
+        dpfunc.make_train_step(loss_fn, opt, config(), shard=True)
+    compiled = dpfunc.make_train_step(loss_fn, opt, config(), compile=True)
+    eager = dpfunc.make_train_step(loss_fn, opt, config())
+    assert inspect.ismethod(eager._sum) and not inspect.ismethod(compiled._sum)  # compile()d
+    fit = dpfunc.Trainer(
+        loss_fn, params, dataset, optimizer=opt, config=config(epochs=1), progress=False,
+        speed=dpfunc.SpeedConfig(model=model, physical_batch_size=7),
+    )  # fmt: skip
+    assert fit.batches.physical_batch_size == 7  # the sampler's
+    assert fit.step_fn.speed == dpfunc.SpeedConfig(model=model)  # the step's: the rest
+    private = dpfunc.PrivateGradients(model, loss_fn, dataset, config=config(), method="vmap")
+    assert private.step_fn.speed.model is model  # filled in: the model it trains
+    other = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="speed.model must be the model PrivateGradients trains"):
+        dpfunc.PrivateGradients(
+            model, loss_fn, dataset, config=config(), speed=dpfunc.SpeedConfig(model=other)
+        )

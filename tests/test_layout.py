@@ -6,7 +6,7 @@ The import graph is read from the source (every ``import`` and ``from ... import
 statement, also inside functions and ``if TYPE_CHECKING:`` blocks), so a circle
 that Python happens to tolerate at import time still counts. The size limits are
 read from the source too (``ast``): ``dpfunc/trainer.py`` under 400 lines, no
-function body over 80 lines, no public function with more than 14 parameters.
+function body over 80 lines, no public function with more than 15 parameters.
 """
 
 import ast
@@ -126,7 +126,7 @@ def test_private_modules_export_nothing():
 
 TRAINER_MAX_LINES = 399  # under 400
 BODY_MAX_LINES = 80
-PUBLIC_MAX_PARAMETERS = 14
+PUBLIC_MAX_PARAMETERS = 15  # the Trainer: its run options named, none hidden in **options
 FunctionNode = ast.FunctionDef | ast.AsyncFunctionDef
 
 
@@ -235,7 +235,7 @@ def test_no_function_body_is_over_80_lines():
     assert max(long.values()) > 20  # the measure sees the package's functions
 
 
-def test_no_public_function_has_more_than_14_parameters():
+def test_no_public_function_has_more_than_15_parameters():
     counts = {name: parameter_count(node) for name, node, public in FUNCTIONS if public}
     assert {name: n for name, n in counts.items() if n > PUBLIC_MAX_PARAMETERS} == {}
     assert "dpfunc.trainer.Trainer.__init__" in counts
@@ -249,8 +249,8 @@ STEP_DOORS = {"__call__", "logical_step", "logical_gradient"}
 STEP_METHODS = STEP_DOORS | {"init", "compile", "explain", "draw_noise", "full_params"}
 STEP_METHOD_MAX_LINES = 40
 # ceilings, not targets: a new public name is a decision, made here
-TOP_LEVEL_NAMES = 37  # dpfunc.__all__
-PUBLIC_NAMES = 241  # every public module's __all__ together, dpfunc's own included
+TOP_LEVEL_NAMES = 38  # dpfunc.__all__
+PUBLIC_NAMES = 243  # every public module's __all__ together, dpfunc's own included
 
 
 def test_the_train_step_has_two_doors_and_the_gradient_only_one():
@@ -285,3 +285,16 @@ def test_the_public_names_are_counted():
     assert len(dpfunc.__all__) <= TOP_LEVEL_NAMES
     assert sum(len(names) for names in exported.values()) <= PUBLIC_NAMES
     assert len(exported["dpfunc.clipper"]) > 0  # the measure reads the modules' __all__
+
+
+def test_no_public_function_hides_options_in_a_dict():
+    """Keyword forms are ``**settings`` (DPConfig's and SpeedConfig's fields, split by one
+    function); no public function takes ``**options`` to pop run options out of."""
+    kwargs = {
+        name: node.args.kwarg.arg
+        for name, node, public in FUNCTIONS
+        if public and node.args.kwarg is not None
+    }
+    assert "options" not in kwargs.values(), kwargs
+    assert kwargs["dpfunc.trainer.Trainer.__init__"] == "settings"
+    assert "OPTIONS" not in vars(importlib.import_module("dpfunc.trainer"))
