@@ -7,72 +7,32 @@ EXPECTED batch size ``sample_rate * num_examples``. Dividing by the realised
 the sensitivity argument the accountant relies on.
 
 Randomness enters as an explicit standard-normal tree drawn outside the
-compiled step from a generator keyed by ``(seed, step)``: the step stays a
-pure function, compiles once, and a run is reproducible and resumable from
-its step count alone. What the step adds is the noise mechanism's output
-(:class:`NoiseMechanism`): the draw itself for DP-SGD
+compiled step, a function of ``(seed, step)`` (:func:`standard_normal_like`):
+the step stays a pure function, compiles once, and a run is reproducible and
+resumable from its step count alone. What the step adds is the noise
+mechanism's output (:class:`NoiseMechanism`): the draw itself for DP-SGD
 (:func:`independent_noise`), a correlated one for banded noise
 (:func:`dpfunc.matrix_factorization.banded_noise`).
 
-The seed is a secret. Whoever knows it can regenerate every noise draw and
-subtract it from the released update, which leaves the exact clipped sum:
-no privacy at all, whatever epsilon is printed. :func:`secret_seed` draws one
-from the operating system's CSPRNG. A fixed seed makes a run reproducible
-(research on public data, tests) and must never key a run whose privacy
-matters.
+Privacy: the seed is a secret. Whoever knows it can regenerate every noise
+draw and subtract it from the released update, which leaves the exact
+clipped sum: no privacy at all, whatever epsilon is printed.
+:func:`secret_seed` draws one from the operating system's CSPRNG. A fixed
+seed makes a run reproducible (research on public data, tests) and must
+never key a run whose privacy matters.
 
-Two draws, both deterministic in ``(seed, step)``:
+Rounding: the default draw (torch's generators, keyed with the whole seed)
+is fast but exposed to the floating-point attack on the low bits of
+released values (Mironov 2012; Holohan and Braghin 2021). With
+``secure=True`` (ChaCha20) the noise is float64, :func:`add_noise` and the
+step form ``summed + std * noise`` at that precision and round once to the
+parameters' dtype: a float32, float16 or bfloat16 release is then a
+rounding of the continuous Gaussian mechanism; float64 parameters get a
+four-term sum that is denser but not provably safe.
 
-* the default: torch's generators from :func:`keyed_generator`, in each
-  leaf's dtype, one per block of :data:`NOISE_BLOCK` values of a leaf. On
-  the CPU a generator's whole Mersenne Twister state (19,968 bits) comes
-  from ``SHAKE-256(seed, step, leaf, block)``; ``manual_seed`` would keep
-  only 32 bits of any seed, so each block's noise would be one of ``2**32``
-  draws, few enough for someone who sees an update to try them all and
-  subtract the right one. On CUDA, Philox takes a 64-bit key from the same hash.
-  Fast and statistically sound, but not a cryptographic generator, and its
-  float samples are exposed to the floating-point attack below.
-* ``secure=True``: a ChaCha20 keystream (Bernstein 2008, through the
-  ``cryptography`` package) keyed by ``SHA-256(seed, step)``; one 64-bit
-  keystream word per uniform, on the grid ``(k + 1/2) * 2**-52`` of the open
-  interval (0, 1), and Box-Muller in float64. Every step has its own key,
-  and each block of a leaf its own nonce (leaf index, block index), so no
-  (key, nonce) pair repeats.
-
-Both draws have random access: blocks are keyed apart, so a rank that holds
-some rows of a parameter (sharded training) draws only the blocks that hold
-them and gets exactly those rows of the single-process draw
-(:func:`standard_normal_like`, ``rows``).
-
-**The floating-point attack** (Mironov 2012, for Laplace noise; Holohan and
-Braghin 2021, "Secure Random Sampling in Differential Privacy", for the
-Gaussian): floating-point noise takes values on a sparse, irregular set,
-and so does ``value + noise`` after rounding, so the low bits of a released
-number can reveal which value it came from. dpfunc's defence: the secure
-tree is float64 whatever the parameters' dtype, :func:`add_noise` forms
-``summed + std * noise`` at that precision (the step's running sum is
-float64 too), and the step rounds the result once to the parameters' dtype,
-after the average. For float32, float16 and bfloat16 parameters the noise is
-about ``2**29`` times finer than the output's spacing, so every output value
-has (up to a relative error of about ``2**-29``) the Gaussian mass of its
-rounding interval: the release is a rounding, i.e. a post-processing, of the
-continuous Gaussian mechanism, and its low bits carry nothing about the
-clipped sum. For float64 parameters no finer type exists; each value is then
-the sum of four independent normals from four different Box-Muller pairs
-(so four radii; a block of one value has only two pairs) divided by two, Holohan and
-Braghin's summation (also what Opacus' former secure mode did), which makes
-the output set far denser but does not provably close the leak.
-
-Limits of the argument. The uniforms are fixed point (spacing ``2**-52``),
-so the radius ``r = sqrt(-2 ln u1)`` is finely spaced in the bulk but coarse
-in the far tail, where ``u1`` is tiny: for float32 outputs the margin is
-about ``2**29 * u1 * r**2``, some ``2**8`` at ``r = 6`` (probability
-``e**-18 ~ 1.5e-8``) and about 1 at ``r = 7`` (probability ``2e-11``).
-The smallest uniform is ``2**-53``, so one Box-Muller normal never exceeds
-``sqrt(106 ln 2) ~ 8.57`` (the four-term sum: twice that); the Gaussian
-mass cut off, about ``1e-17`` per coordinate, is not in the accountant's
-delta. Out of scope: exact (discrete) sampling (Canonne, Kamath and Steinke
-2020), and the floating-point arithmetic of everything before the noise.
+The generators' specification (keys, blocks, streams, rows, the secure
+draw, timings) and the defence's argument and limits: see
+docs/privacy-and-randomness.md, "How the noise is drawn".
 """
 
 from __future__ import annotations
@@ -157,96 +117,36 @@ def standard_normal_like(
 ) -> PyTree:
     """Independent ``N(0, 1)`` draws shaped like ``params``, fixed by ``(seed, step)``.
 
-    Each leaf is drawn on its own device, in blocks of :data:`NOISE_BLOCK`
-    values, each block from its own key: leaf ``i`` (optree's leaf order,
-    dict keys sorted, so the tree does not depend on dict insertion order),
-    flattened row-major, has block ``k`` = values ``[k * NOISE_BLOCK,
-    min((k + 1) * NOISE_BLOCK, numel))``. The same ``(seed, step, secure)``
-    always gives the same tree; distinct ``(seed, step)`` pairs give
-    independent streams (the key is a SHA-256 hash of both, domain-separated
-    from the Poisson sample's), and so do distinct ``(leaf, block)`` pairs.
-    ``seed`` is the run's secret (:func:`secret_seed`); any size of int is
-    hashed whole. A leaf's values depend on its position in leaf order and on
-    its shape, not on the other leaves.
-
-    Random access (``rows``): a rank that holds rows ``[start, stop)`` of a
-    parameter (sharded training) draws exactly ``full[start:stop]`` of the
-    draw ``full`` that a single process makes for the whole parameter, bit
-    for bit, and draws only the blocks that overlap its rows.
+    The same arguments give the same tree, bit for bit; each leaf is drawn
+    on its own device, in blocks of :data:`NOISE_BLOCK` values keyed apart.
+    The keys, blocks, streams, rows and both draws, with their costs: see
+    docs/privacy-and-randomness.md, "How the noise is drawn".
 
     Args:
         params: the tree to match (shapes, devices; dtypes unless ``secure``).
-        seed: a non-negative int, the secret.
-        step: a non-negative int, the step count.
-        secure: draw from ChaCha20 with the floating-point defences of the
-            module docstring. The stream: key
-            ``SHA-256("dpfunc.secure-{stream}:{seed}:{step}")``; block ``k``
-            of leaf ``i`` is the keystream of the 16-byte nonce of
-            ``cryptography``'s ChaCha20 (a 4-byte little-endian block counter,
-            then RFC 7539's 12-byte nonce) ``counter 0 | i (4 bytes LE) |
-            k (8 bytes LE)``, so no (key, nonce) pair repeats; it is read as
-            little-endian 64-bit words. A block of ``n`` values takes
-            ``n + n % 2`` words (``4 n`` for a float64 leaf): the first half
-            are the ``u1`` and the second half the ``u2`` of Box-Muller,
-            which gives the sine normals then the cosine normals, and an
-            odd ``n`` drops the last one. The leaves are float64 whatever
-            the parameters' dtype, so that :func:`add_noise` forms the noisy
-            sum at double precision and rounds it once; float64 parameters
-            get, block by block, the four-term sum
-            ``(((z1 + z2) + z3) + z4) / 2`` of the block's ``4 n`` normals'
-            four rows, the sine rows as they are and the cosine rows rolled
-            by one within the block, so that the four terms come from four
-            different pairs. Needs the ``cryptography`` package
-            (``pip install "dpfunc[secure]"``). About 1.2x the time of
-            ``torch.randn`` on a CPU for float32 leaves, 5x for float64
-            ones (``bench/noise.py``, two threads; on one thread 1.9x for
-            float32); CUDA leaves are drawn on the CPU and copied over.
-            The default draw: block ``k`` of leaf ``i`` is
-            ``torch.randn(n, generator=g)`` in the leaf's dtype (float32 for
-            bfloat16 and float16 leaves), ``g = keyed_generator(
-            "dpfunc.{stream}", seed, step, device, part=(i, k))``.
+        seed: the run's secret (:func:`secret_seed`), an int >= 0 of any size.
+        step: the step count, an int >= 0.
+        secure: draw from ChaCha20 in float64, with the floating-point defence
+            (``pip install "dpfunc[secure]"``); else torch's keyed generators.
         stream: ``"noise"`` (the gradient noise) or ``"count"`` (adaptive
-            clipping's count noise): independent draws from one seed and
-            step, by domain separation of the key.
-        rows: ``None`` (every leaf whole) or a sequence with one entry per
-            leaf, in leaf order: ``None`` (that leaf is whole) or a tuple
-            ``(full_shape, start, stop)``: the leaf holds rows
-            ``[start, stop)`` along dim 0 of a tensor of shape ``full_shape``,
-            so its shape is ``(stop - start, *full_shape[1:])`` (0 rows: an
-            empty leaf). Its draw is ``full[start:stop]``, where ``full`` is
-            what ``rows=None`` gives for a leaf of shape ``full_shape`` at the
-            same leaf position.
+            clipping's count noise): independent draws of one seed and step.
+        rows: ``None``, or per leaf ``None`` or ``(full_shape, start, stop)``:
+            the leaf is rows ``[start, stop)`` of one of shape ``full_shape``.
 
     Returns:
-        A tree like ``params``: leaves in their own dtype by default (float32
-        for bfloat16 and float16 ones), float64 with ``secure=True``; an empty
-        tree gives an empty tree.
+        A tree like ``params``, in each leaf's dtype (float32 for half ones),
+        float64 with ``secure=True``.
 
     Raises:
-        ValueError: ``seed`` or ``step`` is not a non-negative int,
-            ``secure`` is not a bool, a leaf is complex (``torch.randn``
-            would give each real coordinate variance 1/2), a leaf is on the
-            ``meta`` device, (default draw) the leaves span several devices,
-            or ``rows`` is malformed: not one entry per leaf, an entry not
-            ``None`` or ``(full_shape, start, stop)``, a 0-d ``full_shape``,
-            not ``0 <= start <= stop <= full_shape[0]``, or a leaf's shape
-            not ``(stop - start, *full_shape[1:])``.
+        ValueError: an invalid argument, a complex leaf (``torch.randn`` gives
+            each real coordinate variance 1/2), a leaf on the ``meta`` device,
+            or (default draw) leaves on several devices.
         ImportError: ``secure=True`` without ``cryptography``.
 
     >>> params = {"w": torch.zeros(2, 3, dtype=torch.bfloat16), "b": torch.zeros(3)}
-    >>> z = standard_normal_like(params, seed=secret_seed(), step=0, secure=True)
+    >>> z = standard_normal_like(params, secret_seed(), step=5, secure=True)
     >>> {k: (v.dtype, tuple(v.shape)) for k, v in z.items()}
     {'w': (torch.float64, (2, 3)), 'b': (torch.float64, (3,))}
-    >>> secret = secret_seed()
-    >>> a = standard_normal_like(params, secret, step=5, secure=True)
-    >>> torch.equal(a["w"], standard_normal_like(params, secret, step=5, secure=True)["w"])
-    True
-    >>> torch.equal(a["w"], standard_normal_like(params, secret, step=6, secure=True)["w"])
-    False
-    >>> shard = {"w": torch.zeros(1, 3), "b": torch.zeros(3)}  # row 1 of w
-    >>> part = standard_normal_like(shard, secret, step=5, secure=True, rows=[None, ((2, 3), 1, 2)])
-    >>> torch.equal(part["w"], a["w"][1:2])
-    True
     """
     check_seed(seed)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
@@ -549,7 +449,8 @@ def add_noise(summed: Params, noise: Params, std: float | Tensor) -> Params:
     The sum is formed at the precision of ``noise`` and rounded once to the
     dtype of ``summed``: a float64 (secure) noise tree on float32 parameters
     gives float32 results whose low bits are those of a rounded continuous
-    Gaussian mechanism (see the module docstring). With noise in the
+    Gaussian mechanism (docs/privacy-and-randomness.md, "The floating-point
+    attack and the defence"). With noise in the
     parameters' dtype (the default draw) and a float ``std`` it is
     ``torch.add(summed, noise, alpha=std)``, the operation the step runs, so
     ``average(add_noise(...), B)`` equals the step's noisy average bit for bit.
@@ -622,7 +523,8 @@ def noisy_average(
       :func:`average` define it on a float64 sum (``std * noise`` at the
       noise's precision, the sum and the quotient rounded in float64) and
       rounded only then, once, to the parameter's accumulation dtype: the
-      floating-point defence of the secure draw (module docstring) holds.
+      floating-point defence of the secure draw (module docstring,
+      "Rounding") holds.
 
     Eagerly the float64 form writes one float64 temporary and the output (no
     float64 copy of the sum or noise); compiled, inductor fuses either form
