@@ -70,99 +70,33 @@ def as_dataset(dataset: Any) -> Any:
 
     Every function here and in :mod:`dpfunc.data` that takes a dataset calls
     this first, so a :class:`dpfunc.Trainer` can be handed any accepted form
-    as it is. The forms, checked in this order:
+    as it is. Each form, how it is read, the order of the checks and every
+    refusal: see docs/data.md, "Accepted forms" and "What happens to a
+    DataLoader".
 
-    - a ``torch.utils.data.DataLoader``: its ``.dataset`` is read (any form
-      below), with a ``UserWarning``: its sampler, ``shuffle`` and batch
-      size give way to Poisson sampling, which the privacy accounting
-      assumes (each example joins each step independently; a shuffled
-      fixed-size batch is a different mechanism). A loader whose sampler
-      or batch sampler may choose WHICH examples are used (anything but
-      ``SequentialSampler``, ``RandomSampler`` and ``DistributedSampler``,
-      which only order or deal out the whole dataset) is refused, and so
-      is a custom ``collate_fn``: ignoring either would silently train on
-      other examples than the loader yields (a subset, an augmentation, a
-      tokenisation, a mix of examples), and a silent change of the data is
-      worse than an error. Pass ``torch.utils.data.Subset(dataset,
-      indices)`` and do per-example work in ``__getitem__`` instead.
-    - a ``Tensor`` of rows along dim 0, returned as is;
-    - a numpy array of rows: ``torch.from_numpy`` (no copy, dtype kept);
-    - a tuple or list of tensors or numpy arrays (mixed allowed): read as
-      COLUMNS with a common leading size (``(x, y)``, ``[x, y]``) or as
-      EXAMPLES (one tensor each), never by a guess. Both readings fit
-      exactly when the entries all have one shape, since examples that
-      share a micro-batch need one shape, and columns only a common leading
-      size. So:
-
-      * a tuple is columns, always (the ``(x, y)`` form, and what
-        ``TensorDataset.tensors`` holds): ``(ids, mask, labels)`` of one
-        shape is 3 columns;
-      * a list whose entries' shapes differ is columns, e.g. ``[x, y]``
-        with ``x`` of shape ``(N, d)`` and ``y`` of ``(N,)``, as the
-        examples reading cannot batch them;
-      * a list whose entries all have one shape ``(n, ...)`` is refused as
-        ambiguous (``k`` examples of that shape, or ``n`` examples of ``k``
-        columns), naming both readings and how to say which:
-        ``torch.stack(dataset)`` for ``k`` examples, ``tuple(dataset)``
-        for ``n`` examples of ``k`` columns. (A list of 0-d tensors can
-        only be examples: it is stacked.)
-
-      Columns come back as a tuple of tensors, so batches of a list
-      dataset are tuples too. A tuple whose elements are not all tensors
-      or arrays is refused (``(x, labels_list)`` would otherwise be a
-      dataset of 2 examples), and so is a tuple of tuples or lists, which
-      reads as examples (``((x0, y0), (x1, y1))``) or as columns of
-      per-example values (``(xs, ys)`` from ``zip(*pairs)``): pass
-      ``list(dataset)`` for examples, or stack each column;
-    - a ``TensorDataset``: the tuple of its tensors;
-    - a Hugging Face ``datasets.Dataset`` (when ``datasets`` is installed):
-      rows come from its ``"torch"`` format, so every example is a dict of
-      tensors, as ``dataset.with_format("torch")`` yields it (floats as
-      float32, integers as int64, images decoded to uint8). Only the
-      columns the dataset's format selects are read; each must be numeric
-      (bool, int, float, a class label, lists or arrays of them) or an
-      image, else it is refused by name: remove it
-      (``dataset.remove_columns``) or select the others
-      (``dataset.select_columns``). Rows are read per batch, never all at
-      once. Every column must have one shape across the examples it
-      batches (pad tokenised text to a fixed length);
-    - any other map-style dataset (``__len__`` and ``__getitem__(int)``,
-      e.g. a ``torch.utils.data.Dataset`` with per-example transforms,
-      ``Subset``, or a list of examples such as ``(x, y)`` tuples or
-      dicts, i.e. a list holding no tensor or array itself): returned as
-      is; rows are its items, read one by one.
-
-    Iterable datasets (``torch.utils.data.IterableDataset``, Hugging Face
-    ``IterableDataset``, generators, iterators) are refused: Poisson
-    sampling includes every example independently at every step, so it
-    must read any example by its index, and the accountant needs the
-    number of examples. So are dicts (pass the columns as a tuple),
-    strings, a ``DatasetDict`` (pick a split) and anything else.
+    Args:
+        dataset: a tensor or numpy array of rows; a tuple of columns
+            (``(x, y)``) or a list of columns whose shapes differ; a
+            ``TensorDataset``, another map-style dataset or a list of
+            examples; a ``DataLoader`` over one of these (its ``.dataset``,
+            with a warning); a Hugging Face ``datasets.Dataset``.
 
     Returns:
-        A ``Tensor``, a tuple of tensors, or a map-style dataset.
+        A ``Tensor``, a tuple of column tensors, or a map-style dataset.
         ``as_dataset(as_dataset(d))`` is ``as_dataset(d)``.
 
     Raises:
-        TypeError: a refused form, a non-numeric numpy dtype (named), or
-            non-numeric Hugging Face columns (named). Every message names
-            the accepted forms.
-        ValueError: a 0-d tensor or array, columns whose leading sizes
-            differ (the sizes are named), an empty tuple, a list of
-            tensors of one shape or a tuple of tuples (ambiguous: both
-            readings and how to say which are named). (An empty list is
-            an empty dataset, which the callers refuse.)
+        TypeError: a refused form (an iterable dataset, a dict, a
+            ``DatasetDict``, ...) or non-numeric data; the message names the
+            accepted forms.
+        ValueError: a 0-d tensor, columns of different lengths, or a form
+            that reads two ways (a list of tensors of one shape, a tuple of
+            tuples): the message names both readings and how to say which.
 
     >>> import numpy as np
     >>> x, y = as_dataset([np.zeros((3, 2)), torch.tensor([1, 0, 1])])
     >>> x.dtype, y.tolist(), dataset_size((x, y))
     (torch.float64, [1, 0, 1], 3)
-    >>> dataset_size([torch.zeros(3, 4, 4) for _ in range(50)])  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: dataset is a list of 50 tensors that all have shape (3, 4, 4), which reads ...
-    >>> dataset_size(torch.stack([torch.zeros(3, 4, 4) for _ in range(50)]))
-    50
     """
     if isinstance(dataset, DataLoader):
         return _loader_dataset(dataset)
