@@ -415,56 +415,28 @@ def epsilon(
 ) -> float:
     """Epsilon of ``steps`` DP-SGD steps at a fixed ``delta``.
 
-    Each step is the Poisson-sampled Gaussian mechanism (Abadi et al. 2016):
-    examples are sampled independently with probability ``sample_rate``, and
-    Gaussian noise with standard deviation ``noise_multiplier`` times the
-    sensitivity (the clip norm) is added. Neighbouring datasets differ by
-    adding or removing one example. The number is ``dp_accounting``'s: for
-    ``"pld"`` the PLD accountant's (Koskela et al. 2020; Doroshenko et al.
-    2022) with ``value_discretization_interval=1e-4``, or an upper bound on
-    it that is never below it (within 1e-5 relative for ``delta >= 1e-6``,
-    1e-3 for ``delta >= 1e-8``; the module docstring says why, and what is
-    cached); for ``"rdp"`` the RDP accountant's (Mironov 2017) with its
-    default orders, exactly.
-
-    Out of reach of the 1e-4 grid (``noise_multiplier`` below ~0.1, 10**9
-    steps and more, arithmetic that overflows) the PLD epsilon is the one on
-    a coarser grid, an upper bound on the 1e-4 grid's, or else the RDP upper
-    bound, and a ``RuntimeWarning`` says which (module docstring, "Out of
-    reach"). A ``noise_multiplier`` above 1e100 is accounted as 1e100.
+    Each step is the Poisson-sampled Gaussian mechanism (Abadi et al. 2016),
+    add-or-remove-one neighbours. The number is ``dp_accounting``'s (or, for
+    PLD, an upper bound never below it); the methods, allowances and
+    fallbacks: see docs/training.md, "Accounting", and the module docstring.
 
     Args:
         noise_multiplier: noise standard deviation over clip norm, ``>= 0``.
-        sample_rate: Poisson sampling probability, in ``(0, 1]``
-            (``1`` is full-batch training, no amplification by sampling).
+        sample_rate: Poisson sampling probability, in ``(0, 1]`` (``1``: no amplification).
         steps: number of steps, an int ``>= 0``.
-        delta: target delta, in ``(0, 1)``; usually well below ``1 / n``.
-        method: ``"pld"`` (tight, the default) or ``"rdp"`` (looser upper
-            bound, what older libraries report).
-        bands: ``1`` (DP-SGD) or the band count ``b`` of a correlated-noise
-            run with cyclic Poisson sampling; ``sample_rate`` is then the
-            rate within a partition and the epsilon is DP-SGD's for
-            :func:`participations` ``(steps, b)`` steps (module docstring).
+        delta: in ``(0, 1)``; usually well below ``1 / n``.
+        method: ``"pld"`` (tight, the default) or ``"rdp"`` (looser, as older libraries).
+        bands: ``1`` (DP-SGD) or correlated noise's ``b`` (cyclic Poisson sampling,
+            ``sample_rate`` per partition): DP-SGD for ``participations(steps, b)`` steps.
 
     Returns:
-        epsilon as a Python float, an upper bound on the privacy loss.
-        ``0.0`` when ``steps == 0`` (nothing released); ``inf`` when
-        ``noise_multiplier == 0`` and ``steps > 0`` (no privacy), and for
-        ``"pld"`` when ``delta <= 2e-15`` (the tails the composition counts
-        as infinite loss; the library's epsilon is ``inf`` below 1e-15).
+        An upper bound on the privacy loss, a float: ``0.0`` when ``steps == 0``;
+        ``inf`` when ``noise_multiplier == 0 < steps``, and for ``"pld"`` when ``delta <= 2e-15``.
 
     Raises:
-        ValueError: an argument is out of range or of the wrong type
-            (the message names it and its value), ``method`` is unknown, or,
-            for ``"pld"``, ``delta`` is within reach of the FFT's rounding
-            of the library's composition and the library would take long
-            (``delta=1e-13`` after 10**4 steps at ``noise_multiplier=0.3``;
-            the message gives the smallest ``delta`` that PLD accounts there).
+        ValueError: an invalid argument (named), or for ``"pld"`` a ``delta`` within
+            reach of the FFT's rounding (the message gives the smallest it takes).
 
-    >>> epsilon(1.0, 0.01, steps=0, delta=1e-5)
-    0.0
-    >>> epsilon(0.0, 0.01, steps=10, delta=1e-5)
-    inf
     >>> round(epsilon(1.5, 0.04, steps=2250, delta=1e-5, method="rdp"), 2)
     7.33
     """
@@ -527,40 +499,13 @@ def calibrate_noise_multiplier(
 ) -> float:
     """The (nearly) smallest ``noise_multiplier`` whose epsilon is at most the target.
 
-    Contract, for the returned ``sigma`` and ``eps = epsilon(., sample_rate,
-    steps, delta, method)`` (the value :func:`epsilon` returns, allowances
-    and fallbacks included):
-
-    * ``eps(sigma) <= target_epsilon``: the value :func:`epsilon` returns
-      for exactly this ``sigma`` was checked before returning, so the
-      calibration never errs on the side of less noise;
-    * some ``lo >= sigma / 1.001`` has ``eps(lo) > target_epsilon``, so
-      ``sigma`` is within 0.1% above the smallest noise multiplier that
-      :func:`epsilon` accepts (epsilon decreases as sigma grows).
-
-    Where :func:`epsilon` is above the library's by its rounding allowance
-    (module docstring, "Cost": tiny deltas after many steps), the smallest
-    sigma that the library itself would accept can be lower by as much: for
-    ``calibrate_noise_multiplier(50.0, 1e-9, 0.001, 10000)`` gives 0.32009,
-    where the library accepts 0.31966 (0.13% lower).
-
-    How: a bracket ``eps(lo) > target >= eps(hi)`` is grown geometrically
-    around a first guess, then shrunk until ``hi / lo <= 1.001`` by
-    interpolating ``log eps`` linearly in ``log sigma`` and probing just
-    either side of the estimate, with bisection as the fallback whenever
-    that does not halve the bracket. ``hi`` is returned. For ``"pld"`` the
-    first guess comes from the Gaussian-DP approximation (Dong, Roth & Su
-    2019), refined by a few secant steps on the PLD epsilon over a coarser
-    grid (1e-3, ~10x cheaper, never by the library's accountant); the bracket
-    then starts at that guess with factor 1.001, and usually closes after two
-    evaluations on the 1e-4 grid (the second on the remove side only, when
-    that alone exceeds the target: who computes an epsilon is decided before
-    either side is composed, so that side is a lower bound on what
-    :func:`epsilon` returns). Neither the approximation nor the coarse grid
-    decides the answer: both ends of the bracket are checked with
-    :func:`epsilon`'s own computation. About 0.1-0.2 s in a fresh process
-    (``bench/accounting.md``). Where the answer's epsilon is an upper bound
-    computed otherwise (coarser grid, RDP), a ``RuntimeWarning`` says so.
+    Privacy: the returned ``sigma`` has ``epsilon(sigma, sample_rate, steps,
+    delta, method) <= target_epsilon``, checked with :func:`epsilon`'s own
+    computation before returning, so calibration never errs on the side of
+    less noise; and ``sigma`` is within 0.1% above the smallest noise
+    multiplier that :func:`epsilon` accepts. The search, its cost (about
+    0.1-0.2 s) and where the library alone would accept less noise: see
+    docs/training.md, "Calibrating the noise".
 
     Args:
         target_epsilon: the privacy budget, a finite number ``> 0``.
@@ -568,18 +513,19 @@ def calibrate_noise_multiplier(
         sample_rate: Poisson sampling probability, in ``(0, 1]``.
         steps: number of steps, an int ``>= 0``.
         method: ``"pld"`` (default) or ``"rdp"``.
-        bands: as for :func:`epsilon` (correlated noise with cyclic Poisson
-            sampling; ``1`` is DP-SGD).
+        bands: as for :func:`epsilon` (``1`` is DP-SGD).
 
     Returns:
-        the noise multiplier as a Python float. ``0.0`` when ``steps == 0``
-        (no steps cost no privacy).
+        The noise multiplier, a Python float; ``0.0`` when ``steps == 0``.
 
     Raises:
-        ValueError: an argument is out of range (named in the message), the
-            target needs a noise multiplier outside the search range
-            ``[1e-3, 1e6]``, or ``delta`` is too small for PLD accounting
-            (as for :func:`epsilon`).
+        ValueError: an argument out of range (named), a target that needs a
+            noise multiplier outside ``[1e-3, 1e6]``, or a ``delta`` too
+            small for PLD accounting (as for :func:`epsilon`).
+
+    >>> sigma = calibrate_noise_multiplier(2.0, 1e-5, sample_rate=0.01, steps=500)
+    >>> epsilon(sigma, 0.01, 500, 1e-5) <= 2.0 < epsilon(sigma / 1.001, 0.01, 500, 1e-5)
+    True
     """
     target = _check_target_epsilon(target_epsilon)
     delta = _check_delta(delta)
