@@ -44,65 +44,61 @@ class Trainer(PlannedRun):
     Args:
         loss_fn: ``loss_fn(params, example) -> scalar`` for ONE example.
         params: the initial trainable parameters (``functionalize(model)[0]``).
-        dataset: tensors or numpy arrays of rows, a tuple or list of them
-            read as columns, a map-style ``Dataset``, a ``DataLoader`` (its
-            dataset; Poisson sampling replaces its sampler), or a Hugging
-            Face ``datasets.Dataset``; see :func:`dpfunc.datasets.as_dataset`.
+        dataset: a tensor or numpy array of rows, a tuple or list of them read
+            as columns, a map-style ``Dataset``, a ``DataLoader`` (its dataset;
+            Poisson sampling replaces its sampler) or a Hugging Face
+            ``datasets.Dataset``: see :func:`dpfunc.datasets.as_dataset`.
         optimizer: a :mod:`dpfunc.optim` transformation.
-        config: the privacy settings, a :class:`dpfunc.DPConfig` with
-            ``epochs`` (``round(epochs * round(n / expected_batch_size))``
-            planned steps), resolved for this dataset by
-            ``config.calibrated(n)`` (``target_epsilon`` and ``delta``) into
-            ``trainer.config``; ``epsilon_budget`` stops the run before a
-            step would exceed it.
-        callbacks: objects with any of the hooks of :mod:`dpfunc.callbacks`;
-            they run after the built-in evaluation and before the built-in
-            checkpoint and progress bar.
-        progress: show a tqdm bar with loss, epsilon and examples/s
+        config: the privacy settings, a :class:`dpfunc.DPConfig`: ``epochs``
+            plans ``round(epochs * round(n / expected_batch_size))`` steps;
+            ``config.calibrated(n)`` resolves ``target_epsilon`` and ``delta``
+            for this dataset into ``trainer.config``; ``epsilon_budget`` stops
+            the run before a step would exceed it.
+        callbacks: objects with any of the hooks of :mod:`dpfunc.callbacks`,
+            run after the built-in evaluation, before the built-in checkpoint
+            and progress bar.
+        progress: a tqdm bar with loss, epsilon and examples/s
             (:class:`dpfunc.callbacks.ProgressBar`).
-        seed: the secret that keys the samples and the noise. ``None``
-            (default) draws one from the OS CSPRNG (distributed: on rank 0,
-            broadcast); such a Trainer adopts a loaded checkpoint's seed if
-            it was drawn too. An int makes the run reproducible, and
-            **whoever knows it can remove the noise**: for public data or
-            debugging only.
-        speed: how fast the step runs, a :class:`dpfunc.SpeedConfig`:
-            ``model``, ``method``, ``chunk_size`` and ``memory_budget`` as for
+        seed: the secret that keys the samples and the noise. ``None`` (the
+            default) draws one from the OS CSPRNG (distributed: rank 0's,
+            broadcast) and adopts a loaded checkpoint's seed if that was drawn
+            too. An int makes the run reproducible, and **whoever knows it can
+            remove the noise**: public data or debugging only.
+        speed: a :class:`dpfunc.SpeedConfig`: ``model``, ``method``,
+            ``chunk_size``, ``memory_budget`` as for
             :func:`dpfunc.make_train_step` (ghost clipping needs ``model``;
-            ``trainer.step_fn.explain(trainer.params, batch)`` shows the
-            plan); ``compile`` runs the step's pieces through
-            ``torch.compile(fullgraph=True)``; ``physical_batch_size``: rows
-            per micro-batch (the compiled shape; default: the expected batch
-            size per rank plus 3 std); ``shard=True`` shards the parameters,
-            the optimizer state and the noise history over the ranks
-            (:mod:`dpfunc.sharding`; needs a distributed run): ``params`` are
-            then this rank's rows, :meth:`full_params` gathers them, and
-            checkpoints are ``torch.distributed.checkpoint`` directories,
-            loadable on another number of ranks.
-        eval_fn: ``eval_fn(params) -> dict[str, float]``, called after each
-            epoch, its results in the history (:class:`dpfunc.callbacks.Evaluate`).
-        checkpoint_path: saved after every epoch and every
-            ``checkpoint_every`` steps, and resumed from (with a warning) if it
-            exists, so rerunning an interrupted script continues the run
+            ``trainer.step_fn.explain(trainer.params, batch)`` shows the plan);
+            ``compile`` (``torch.compile(fullgraph=True)`` on the step's
+            pieces); ``physical_batch_size`` (rows per micro-batch, the
+            compiled shape; default: the expected batch size per rank plus 3
+            std); ``shard=True`` shards parameters, optimizer state and noise
+            history over the ranks of a distributed run (:mod:`dpfunc.sharding`):
+            ``trainer.params`` are this rank's rows (:meth:`full_params`, the
+            checkpoint directories: see docs/sharded.md).
+        eval_fn: ``eval_fn(params) -> dict[str, float]`` after each epoch, its
+            results in the history (:class:`dpfunc.callbacks.Evaluate`).
+        checkpoint_path: saved after every epoch and every ``checkpoint_every``
+            steps, and resumed from (with a warning) if it exists: rerunning an
+            interrupted script continues the run
             (:class:`dpfunc.callbacks.Checkpoint`).
         checkpoint_every: steps between checkpoints (``None``: epochs only).
         distributed: ``None`` (default) trains data-parallel exactly when a
             ``torch.distributed`` process group is initialised, ``True``
-            requires one, ``False`` trains on this process alone (every rank
-            builds the Trainer with the same arguments, checked, and calls the
-            same methods; ``fit``, ``train_step``, ``save`` and ``load`` are
+            requires one, ``False`` trains this process alone. Every rank
+            builds the Trainer with the same arguments (checked) and calls the
+            same methods (``fit``, ``train_step``, ``save``, ``load`` are
             collective).
         nonfinite: ``"warn"`` (default) or ``"error"`` about examples with a
-            NaN/inf gradient, always left out of the sum
+            NaN/inf gradient, left out of the sum either way
             (:func:`dpfunc.step.check_nonfinite`).
-        **settings: the keyword form: ``DPConfig``'s and ``SpeedConfig``'s
-            fields (``epochs=3, expected_batch_size=256, clip_norm=1.0,
+        **settings: ``DPConfig``'s and ``SpeedConfig``'s fields as keywords
+            (``epochs=3, expected_batch_size=256, clip_norm=1.0,
             target_epsilon=3.0, model=model, ...``) instead of ``config`` and
             ``speed``.
 
     Raises:
-        ValueError, TypeError: an argument is invalid; every argument is
-            checked here, before any training.
+        ValueError, TypeError: an invalid argument; every argument is checked
+            here, before any training.
     """
 
     def __init__(
