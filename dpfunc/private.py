@@ -399,8 +399,14 @@ class PrivateGradients(PlannedRun):
                                       batch)  # fmt: skip
             sharded = self.step_fn.sharded
             whole = self.step_fn.full_params(self._state_for(params)) if sharded else params
+            # the probe's dropout must not move the generators the steps' dropout draws from
+            cuda = sorted({p.device.index or 0 for p in whole.values() if p.device.type == "cuda"})
             try:
-                with torch.enable_grad(), fsdp_hooks_off(self.model) if sharded else nullcontext():
+                with (
+                    torch.random.fork_rng(devices=cuda),
+                    torch.enable_grad(),
+                    fsdp_hooks_off(self.model) if sharded else nullcontext(),
+                ):
                     loss = self.step_fn.loss_fn(dict(whole), example)
             except Exception:  # the step itself raises it, explained
                 loss = None

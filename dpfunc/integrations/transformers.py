@@ -1,0 +1,446 @@
+"""DP-SGD in Hugging Face's ``transformers.Trainer``: change the class, add ``privacy=``.
+
+:class:`PrivateTrainer` is a ``transformers.Trainer`` whose training step is
+:class:`dpfunc.PrivateGradients`: Poisson-sampled logical batches replace the
+train dataloader, each example's loss comes from the model's own logits
+(:mod:`dpfunc.losses`), and the optimizer and scheduler that ``Trainer``
+builds step the private gradient. Evaluation, prediction, callbacks,
+logging and saving are the ``Trainer``'s own::
+
+    trainer = PrivateTrainer(model=model, args=args, train_dataset=train,
+                             eval_dataset=valid, data_collator=collator,
+                             privacy=dpfunc.DPConfig(expected_batch_size=64, clip_norm=1.0,
+                                                     target_epsilon=3.0, delta=1e-5))
+    trainer.train()                      # epsilon in every log, a stop at epsilon_budget
+    trainer.save_model()                 # the model, and privacy_report.json beside it
+
+What changes against a ``Trainer``, and what is refused and why, is in
+docs/huggingface.md, "PrivateTrainer".
+
+Privacy:
+    The epsilon logged and saved covers the training steps. A checkpoint
+    holds the run's SECRET seed (``dpfunc_privacy.pt``): it is as sensitive
+    as the training data, so pushing checkpoints to the Hub is refused.
+    ``nonprivate/loss`` (the logged training loss) reads the data without
+    noise, as do evaluations on private data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.data import DataLoader, IterableDataset
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .. import losses
+from ..config import DPConfig, SpeedConfig
+from ..losses import batched_loss
+from ..private import LogicalBatch, PrivateGradients
+
+__all__ = ["PRIVACY_REPORT", "PRIVACY_STATE", "PrivateTrainer", "per_example_loss"]
+
+PRIVACY_STATE = "dpfunc_privacy.pt"
+"""The file in each checkpoint that resumes the private run. SECRET: it holds the seed."""
+
+PRIVACY_REPORT = "privacy_report.json"
+"""The file beside a saved model (and in each checkpoint) with the run's privacy report."""
+
+Head = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> one loss per example
+
+
+class PrivateTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` that trains with DP-SGD (see the module docstring).
+
+    Args:
+        *args, **kwargs: those of ``transformers.Trainer`` (``model``,
+            ``args``, ``train_dataset``, ``eval_dataset``, ``data_collator``,
+            ``processing_class``, ``callbacks``, ``optimizers``, ...).
+        privacy: the privacy settings, a :class:`dpfunc.DPConfig`. Without
+            ``epochs`` it plans ``args.num_train_epochs`` passes (or
+            ``args.max_steps`` steps); with them, the ``TrainingArguments``
+            must agree or be left at their defaults.
+            ``args.per_device_train_batch_size`` is the physical
+            (micro-)batch size; the logical batch is
+            ``privacy.expected_batch_size`` examples on average.
+        speed: a :class:`dpfunc.SpeedConfig` (``method="auto"`` by default:
+            ghost clipping where it is cheaper; ``compile=True`` compiles the
+            step). Its ``physical_batch_size`` is the ``TrainingArguments``'.
+        seed: ``None`` (default): a secret seed drawn from the OS. An int
+            makes the run reproducible and NOT private (research only); it
+            is not ``args.seed``, which seeds the model's initialisation.
+        loss: ``loss(logits, labels) -> Tensor[B]``, one loss per example;
+            by default :func:`per_example_loss` of the model's head.
+
+    Raises:
+        ValueError: a setting that would change the accounting or the
+            update unseen (each named, with the reason and what to use).
+        TypeError: ``privacy`` is not a :class:`dpfunc.DPConfig`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        privacy: DPConfig,
+        speed: SpeedConfig | None = None,
+        seed: int | None = None,
+        loss: Head | None = None,
+        **kwargs: Any,
+    ):
+        if not isinstance(privacy, DPConfig):
+            raise TypeError(
+                f"privacy must be a dpfunc.DPConfig, got {type(privacy).__name__}: "
+                "PrivateTrainer(..., privacy=dpfunc.DPConfig(expected_batch_size=..., "
+                "clip_norm=..., target_epsilon=..., delta=...))"
+            )
+        if kwargs.get("compute_loss_func") is not None:
+            raise ValueError(
+                "compute_loss_func reduces the loss over the batch, and a batch's gradient cannot "
+                "be clipped per example: pass loss=fn(logits, labels) -> Tensor[B] (one loss per "
+                "example; dpfunc.losses has the usual heads)"
+            )
+        if kwargs.get("model_init") is not None:
+            raise ValueError(
+                "model_init builds a new model at train(), which the private step, built on the "
+                "model here, would not follow: pass model= instead"
+            )
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if given is not None:  # before Trainer's __init__, which may reach the Hub
+            _check_arguments(given)
+        super().__init__(*args, **kwargs)
+        _check_arguments(self.args)
+        if speed is not None and speed.physical_batch_size is not None:
+            raise ValueError(
+                "speed.physical_batch_size is args.per_device_train_batch_size in a "
+                f"PrivateTrainer, got {speed.physical_batch_size}: set it in TrainingArguments"
+            )
+        speed = dataclasses.replace(
+            speed or SpeedConfig(), physical_batch_size=self.args.per_device_train_batch_size
+        )
+        head = loss or per_example_loss(self.model, self.args.label_smoothing_factor)
+        dataset = self._collated_train_dataset()
+        self.private = PrivateGradients(
+            self.model,
+            _model_loss(self.model, head),
+            _Columns(dataset),
+            config=self._planned(privacy, dataset),
+            speed=speed,
+            seed=seed,
+        )
+        self._batches: Any = None  # the private sampler's iterator, made at the first batch
+        if self.args.max_grad_norm > 0:
+            warnings.warn(
+                f"max_grad_norm={self.args.max_grad_norm} is not used: it would clip the noisy "
+                "average, not each example. Each example's gradient is clipped to "
+                f"privacy.clip_norm={privacy.clip_norm}; set max_grad_norm=0 in TrainingArguments "
+                "to silence this warning",
+                stacklevel=2,
+            )
+
+    def _collated_train_dataset(self) -> dict[str, Tensor]:
+        """The training set as columns: every example through the data collator, once."""
+        dataset = self.train_dataset
+        if dataset is None:
+            raise ValueError("PrivateTrainer trains on train_dataset, got None")
+        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+            raise ValueError(
+                f"train_dataset is a {type(dataset).__name__} without a length: Poisson sampling "
+                "includes each example with probability expected_batch_size / len(dataset); give "
+                "a map-style dataset (datasets.Dataset, a list, a torch Dataset with __len__)"
+            )
+        collator = self.data_collator
+        if _is_hf_dataset(dataset):
+            dataset = self._remove_unused_columns(dataset, description="training")
+        else:
+            collator = self._get_collator_with_removed_columns(collator, description="training")
+        columns = collator([dataset[i] for i in range(len(dataset))])
+        columns = {k: v for k, v in dict(columns).items() if isinstance(v, Tensor)}
+        if "labels" not in columns:
+            raise ValueError(
+                f"the collated training set has no 'labels' (columns {sorted(columns)}): each "
+                "example's loss needs its labels (a 'label' or 'labels' column, or a collator "
+                "that makes them, such as DataCollatorForLanguageModeling)"
+            )
+        return columns
+
+    def _planned(self, privacy: DPConfig, dataset: dict[str, Tensor]) -> DPConfig:
+        """``privacy`` with the epochs the ``TrainingArguments`` plan, or checked against them."""
+        n = len(dataset["labels"])
+        per_epoch = privacy.steps_per_epoch(n)
+        args, defaults = self.args, type(self.args)
+        asked = args.max_steps / per_epoch if args.max_steps > 0 else args.num_train_epochs
+        if privacy.epochs is None:
+            return dataclasses.replace(privacy, epochs=asked)
+        untouched = args.max_steps == _default(defaults, "max_steps") and (
+            args.num_train_epochs == _default(defaults, "num_train_epochs")
+        )
+        if not untouched and privacy.total_steps(n) != dataclasses.replace(
+            privacy, epochs=asked
+        ).total_steps(n):
+            raise ValueError(
+                f"privacy.epochs={privacy.epochs} plans {privacy.total_steps(n)} steps, but "
+                f"TrainingArguments ask for num_train_epochs={args.num_train_epochs}, "
+                f"max_steps={args.max_steps}: set the length of the run in one place (leave "
+                "privacy.epochs out, and it follows the TrainingArguments)"
+            )
+        return privacy
+
+    def get_train_dataloader(self) -> DataLoader:
+        """One item per logical step: the next Poisson-sampled batch of the private run.
+
+        A ``DataLoader`` over the steps of an epoch, so ``Trainer``'s resume
+        (which skips the steps done) works unchanged; each item is drawn by
+        the private sampler when the loop asks for it.
+        """
+        steps = range(self.private.steps_per_epoch)
+        return DataLoader(steps, batch_size=1, collate_fn=self._next_batch)
+
+    def _next_batch(self, _: Any) -> LogicalBatch | None:
+        if self._batches is None:
+            self._batches = iter(self.private.batches())
+        return next(self._batches, None)  # None: the plan or the budget is used up
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
+        """The loop's lengths from the private plan (its steps, not the dataloader's)."""
+        private = self.private
+        last = private.plan.last_step()
+        max_steps = private.total_steps if last is None else min(private.total_steps, last)
+        per_epoch = private.steps_per_epoch
+        epochs = max(1, math.ceil(max_steps / per_epoch))
+        batch = round(private.config.expected_batch_size)
+        samples = round(max_steps * private.config.expected_batch_size)
+        return epochs, per_epoch, private.num_examples, samples, batch, per_epoch, max_steps
+
+    def training_step(
+        self, model: nn.Module, inputs: LogicalBatch | None, num_items_in_batch: Any = None
+    ) -> Tensor:
+        """Writes the private gradient of one logical batch into ``.grad``; returns its loss.
+
+        The loss returned (and logged as ``nonprivate/loss``) is the mean of
+        the batch's per-example losses, read without noise.
+        """
+        if inputs is None:  # the sampler has no step left within the plan or the budget
+            self.control.should_training_stop = True
+            return torch.zeros((), device=self.args.device)
+        if self.private.steps_done != self.state.global_step:
+            raise RuntimeError(
+                f"the Trainer is at step {self.state.global_step} but the private run at step "
+                f"{self.private.steps_done}: the checkpoint's {PRIVACY_STATE} is not of the "
+                "same step as its trainer_state.json"
+            )
+        model.train()
+        try:
+            with self.compute_loss_context_manager():
+                metrics = self.private.backward(inputs)
+        except RuntimeError as error:
+            if self.args.bf16 and "BFloat16" in str(error):
+                raise RuntimeError(
+                    "the per-example gradients failed under bf16 autocast (torch's vmap of "
+                    "scaled_dot_product_attention's CPU kernel does, for one): use ghost clipping, "
+                    "speed=dpfunc.SpeedConfig(model=model, method='ghost'), or the model's eager "
+                    "attention (attn_implementation='eager')"
+                ) from error
+            raise
+        last = self.private.plan.last_step()
+        if last is not None and self.private.steps_done >= last:
+            self.control.should_training_stop = True
+        return torch.tensor(metrics["loss"], device=self.args.device)
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        """The forward and backward operations of a logical batch's micro-batches."""
+        if not isinstance(inputs, LogicalBatch):
+            return super().floating_point_ops(inputs)
+        return sum(super(PrivateTrainer, self).floating_point_ops(batch)
+                   for batch, _ in inputs.micro_batches)  # fmt: skip
+
+    def _clip_grad_norm(self, model: nn.Module) -> None:
+        return None  # each example is clipped by the private step; the average is not
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """``Trainer.log`` with ``epsilon`` added and the non-private training loss labelled."""
+        logs = {_LABELS.get(key, key): value for key, value in logs.items()}
+        if self.private.steps_done:
+            logs["epsilon"] = self.private.epsilon()
+        super().log(logs, start_time)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``, with :data:`PRIVACY_REPORT` beside the model."""
+        super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            with open(os.path.join(output_dir, PRIVACY_REPORT), "w") as f:
+                json.dump(self.private.privacy_report().as_dict(), f, indent=2)
+
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        path = os.path.join(self._get_output_dir(trial=trial), folder)
+        if self.args.should_save and os.path.isdir(path):
+            torch.save(self.private.state_dict(), os.path.join(path, PRIVACY_STATE))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        path = os.path.join(resume_from_checkpoint, PRIVACY_STATE)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} has no {PRIVACY_STATE}: it "
+                "was not saved by a PrivateTrainer, and resuming from it would start the "
+                "accounting at step 0 for a model that has already trained"
+            )
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self.private.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+
+
+_LABELS = {"loss": "nonprivate/loss", "train_loss": "nonprivate/train_loss"}
+
+
+def per_example_loss(model: nn.Module, label_smoothing: float = 0.0) -> Head:
+    """The per-example loss of a Hugging Face model's head, from its class name.
+
+    ``*ForSequenceClassification``: :func:`dpfunc.losses.classification`;
+    ``*ForCausalLM`` and ``*LMHeadModel``: :func:`dpfunc.losses.causal_lm`
+    (the shift, and ``-100`` labels left out); ``*ForMaskedLM``:
+    :func:`dpfunc.losses.masked_lm`. A PEFT model is read through its base
+    model. Each example's loss is its mean over its own labelled tokens.
+
+    Raises:
+        ValueError: another head (pass ``loss=`` to :class:`PrivateTrainer`),
+            a regression or multi-label classifier, or ``label_smoothing``
+            on a language-model head.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    name = type(base).__name__
+    config = getattr(base, "config", None)
+    if name.endswith("ForSequenceClassification"):
+        problem = getattr(config, "problem_type", None)
+        single = problem in (None, "single_label_classification")
+        if getattr(config, "num_labels", 2) == 1 or not single:
+            raise ValueError(
+                f"{name} is set up for problem_type={problem!r} (num_labels="
+                f"{getattr(config, 'num_labels', None)}); the built-in head is single-label "
+                "classification: pass loss=fn(logits, labels) -> Tensor[B]"
+            )
+        return lambda logits, labels: losses.classification(
+            logits, labels, label_smoothing=label_smoothing
+        )
+    lm = {"ForCausalLM": losses.causal_lm, "LMHeadModel": losses.causal_lm,
+          "ForMaskedLM": losses.masked_lm}  # fmt: skip
+    for suffix, head in lm.items():
+        if name.endswith(suffix):
+            if label_smoothing:
+                raise ValueError(
+                    f"label_smoothing_factor={label_smoothing} is supported for sequence "
+                    f"classification only; {name} would train without it: set it to 0, or pass "
+                    "loss=fn(logits, labels) -> Tensor[B]"
+                )
+            return head
+    raise ValueError(
+        f"no built-in per-example loss for {name}: the heads are *ForSequenceClassification, "
+        "*ForCausalLM / *LMHeadModel and *ForMaskedLM. Pass loss=fn(logits, labels) -> "
+        "Tensor[B], one loss per example (dpfunc.losses has the usual ones)"
+    )
+
+
+def _model_loss(model: nn.Module, head: Head) -> Any:
+    """The batched loss the private step clips: the model's logits through ``head``."""
+
+    @batched_loss
+    def loss(params: dict[str, Tensor], batch: dict[str, Tensor]) -> Tensor:
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        logits = functional_call(model, params, (), inputs, strict=False).logits
+        return head(logits, batch["labels"])
+
+    return loss
+
+
+def _check_arguments(args: Any) -> None:
+    """Refuses the ``TrainingArguments`` that would change the accounting or the update unseen."""
+    refused = {
+        "gradient_accumulation_steps": (
+            args.gradient_accumulation_steps != 1,
+            "the logical batch is privacy.expected_batch_size examples, accumulated over "
+            "micro-batches of per_device_train_batch_size by the private step; leave it at 1",
+        ),
+        "fp16": (
+            args.fp16,
+            "its GradScaler would unscale a private gradient that was never scaled; use bf16",
+        ),
+        "torch_compile": (
+            args.torch_compile,
+            "the private step runs the model itself; compile it with "
+            "speed=dpfunc.SpeedConfig(compile=True)",
+        ),
+        "auto_find_batch_size": (
+            args.auto_find_batch_size,
+            "the physical batch size is fixed when the private step is planned; set "
+            "per_device_train_batch_size",
+        ),
+        "group_by_length": (
+            getattr(args, "group_by_length", False),
+            "batches are Poisson samples, which the accounting assumes",
+        ),
+        "neftune_noise_alpha": (
+            args.neftune_noise_alpha is not None,
+            "its embedding noise is drawn inside the per-example pass, outside the private step",
+        ),
+        "activation_checkpointing": (
+            getattr(args, "activation_checkpointing", False),
+            "the private step computes per-example gradients its own way; lower its memory "
+            "with per_device_train_batch_size or speed=dpfunc.SpeedConfig(memory_budget=...)",
+        ),
+        "fsdp": (bool(args.fsdp), "shard with dpfunc.sharding instead (docs/sharded.md)"),
+        "deepspeed": (bool(args.deepspeed), "DeepSpeed runs its own backward"),
+        "include_num_input_tokens_seen": (
+            args.include_num_input_tokens_seen not in ("no", False, None),
+            "the number of tokens in each Poisson sample is a count of the private data, "
+            "logged without noise",
+        ),
+        "push_to_hub": (
+            args.push_to_hub
+            and str(getattr(args.hub_strategy, "value", args.hub_strategy))
+            in ("checkpoint", "all_checkpoints"),
+            f"each checkpoint holds the run's secret seed ({PRIVACY_STATE}); push the saved "
+            "model at the end instead (hub_strategy='end')",
+        ),
+    }
+    for name, (bad, why) in refused.items():
+        if bad:
+            raise ValueError(f"{name}={getattr(args, name)!r} is not supported: {why}")
+    if args.n_gpu > 1:
+        raise ValueError(
+            f"n_gpu={args.n_gpu}: torch.nn.DataParallel is not supported; run one process per "
+            "device with torchrun (DDP)"
+        )
+
+
+class _Columns(torch.utils.data.Dataset):
+    """Equal-length tensor columns as a map-style dataset of dicts (one example per index)."""
+
+    def __init__(self, columns: dict[str, Tensor]):
+        self.columns = columns
+
+    def __len__(self) -> int:
+        return len(self.columns["labels"])
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {key: column[i] for key, column in self.columns.items()}
+
+
+def _default(cls: type, name: str) -> Any:
+    return next(field.default for field in dataclasses.fields(cls) if field.name == name)
+
+
+def _is_hf_dataset(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:
+        return False
+    return isinstance(dataset, datasets.Dataset)

@@ -1,0 +1,348 @@
+"""PrivateTrainer: a transformers.Trainer that trains with DP-SGD.
+
+Its update equals PrivateGradients with torch.optim.AdamW; its noise has std
+sigma * C / B; LoRA trains the adapters alone; a resume equals the run it
+continues; the epsilon it logs is dp_accounting's; and the settings that
+would change the accounting or the update unseen are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+
+import pytest
+import torch
+from test_noise import ks_critical, ks_statistic
+from torch.func import functional_call
+
+import dpfunc
+
+peft = pytest.importorskip("peft", reason="needs the 'hf' extra (peft is not installed)")
+transformers = pytest.importorskip(
+    "transformers", reason="needs the 'hf' extra (transformers is not installed)"
+)
+datasets = pytest.importorskip("datasets", reason="needs the 'hf' extra")
+from dpfunc.integrations.transformers import (  # noqa: E402
+    PRIVACY_REPORT,
+    PRIVACY_STATE,
+    PrivateTrainer,
+    per_example_loss,
+)
+
+N, VOCAB, B = 48, 40, 16.0
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop")
+
+
+def gpt2_lora(dropout: float = 0.1):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=16, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0, resid_pdrop=dropout, embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )  # fmt: skip
+    lora = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    return peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora)
+
+
+def texts():
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 12, (N,), generator=g)
+    return datasets.Dataset.from_list(
+        [{"input_ids": torch.randint(1, VOCAB, (int(n),), generator=g).tolist()} for n in lengths]
+    )
+
+
+def pad(features):
+    """Right padding, with the padded positions labelled -100."""
+    longest = max(len(f["input_ids"]) for f in features)
+    ids = torch.zeros(len(features), longest, dtype=torch.long)
+    for i, f in enumerate(features):
+        ids[i, : len(f["input_ids"])] = torch.tensor(f["input_ids"])
+    mask = (ids != 0).long()
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)}
+
+
+def arguments(out, **kwargs):
+    settings = dict(output_dir=str(out), per_device_train_batch_size=8, learning_rate=1e-2,
+                    logging_steps=1, save_strategy="no", report_to=[], max_grad_norm=0.0,
+                    use_cpu=True, disable_tqdm=True, lr_scheduler_type="constant")  # fmt: skip
+    settings.update(kwargs)
+    return transformers.TrainingArguments(**settings)
+
+
+def saving(out):
+    return arguments(out, save_steps=2, save_strategy="steps")
+
+
+def privacy(**kwargs):
+    settings = dict(expected_batch_size=B, clip_norm=1.0, noise_multiplier=1.0, delta=1e-5,
+                    epochs=1.0)  # fmt: skip
+    settings.update(kwargs)
+    return dpfunc.DPConfig(**settings)
+
+
+def lm_trainer(out, *, model=None, args=None, seed=1, config=None, **kwargs):
+    return PrivateTrainer(
+        model=model if model is not None else gpt2_lora(),
+        args=args if args is not None else arguments(out),
+        train_dataset=texts(),
+        data_collator=pad,
+        privacy=config if config is not None else privacy(),
+        seed=seed,
+        **kwargs,
+    )
+
+
+def trainable(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def test_the_update_equals_private_gradients_with_torch_adamw(tmp_path):
+    trainer = lm_trainer(tmp_path, model=gpt2_lora(dropout=0.0))
+    trainer.train()
+    assert trainer.state.global_step == trainer.private.total_steps == 3
+
+    model = gpt2_lora(dropout=0.0)
+    columns = pad([texts()[i] for i in range(N)])
+    rows = [{key: column[i] for key, column in columns.items()} for i in range(N)]
+
+    @dpfunc.batched_loss
+    def loss(params, batch):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = functional_call(model, params, (), inputs, strict=False).logits
+        return dpfunc.losses.causal_lm(logits, batch["labels"])
+
+    private = dpfunc.PrivateGradients(model, loss, rows, config=privacy(), seed=1,
+                                      physical_batch_size=8)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0
+    )
+    for batch in private.batches():
+        private.backward(batch)
+        optimizer.step()
+        optimizer.zero_grad()
+    ours, theirs = trainable(trainer.model), trainable(model)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
+
+
+def test_the_noise_has_std_sigma_c_over_b(tmp_path):
+    grads = []
+
+    class Capture(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append(torch.cat([p.grad.flatten() for p in model.parameters()
+                                    if p.requires_grad]))  # fmt: skip
+
+    config = privacy(noise_multiplier=2.0, clip_norm=0.5)
+    trainer = lm_trainer(tmp_path, config=config, callbacks=[Capture()],
+                         loss=lambda logits, labels: 0.0 * logits.sum((1, 2)))  # fmt: skip
+    trainer.train()
+    noise = torch.cat(grads)  # every example's gradient is 0: the gradient is the noise
+    assert noise.numel() >= 768
+    assert ks_statistic(noise, 2.0 * 0.5 / B) < ks_critical(noise.numel())
+
+
+def test_lora_trains_the_adapters_and_nothing_else(tmp_path):
+    model = gpt2_lora()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    before = trainable(model)
+    assert before and all("lora_" in name for name in before)
+    trainer = lm_trainer(tmp_path, model=model)
+    trainer.train()
+    for name, p in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+            assert p.grad is None, name
+        else:
+            assert not torch.equal(p, before[name]), name
+
+
+def test_a_resume_equals_the_run_it_continues(tmp_path):
+    whole = lm_trainer(tmp_path / "a", args=saving(tmp_path / "a"))
+    whole.train()
+    assert os.path.isfile(tmp_path / "a" / "checkpoint-2" / PRIVACY_STATE)
+    resumed = lm_trainer(tmp_path / "b", args=arguments(tmp_path / "b"))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+    assert resumed.private.steps_done == whole.private.steps_done == 3
+    for name, p in trainable(whole.model).items():  # dropout included: the same masks
+        assert torch.equal(p, trainable(resumed.model)[name]), name
+    assert resumed.private.epsilon() == whole.private.epsilon()
+
+
+def test_a_resume_follows_the_seed_rule(tmp_path):
+    first = lm_trainer(tmp_path / "a", args=saving(tmp_path / "a"), seed=None)
+    first.train()
+    checkpoint = str(tmp_path / "a" / "checkpoint-2")
+    assert torch.load(os.path.join(checkpoint, PRIVACY_STATE), weights_only=True)
+    one, two = (lm_trainer(tmp_path / k, args=arguments(tmp_path / k), seed=None) for k in "bc")
+    one.train(resume_from_checkpoint=checkpoint)
+    two.train(resume_from_checkpoint=checkpoint)
+    assert one.private.steps_done == 3
+    changed = [not torch.equal(p, trainable(two.model)[name])
+               for name, p in trainable(one.model).items()]  # fmt: skip
+    assert all(changed)  # two continuations of one checkpoint never share noise
+    fixed = lm_trainer(tmp_path / "d", args=arguments(tmp_path / "d"), seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        fixed.train(resume_from_checkpoint=checkpoint)
+
+
+def test_a_checkpoint_without_the_privacy_state_is_refused(tmp_path):
+    trainer = lm_trainer(tmp_path / "a", args=saving(tmp_path / "a"))
+    trainer.train()
+    os.remove(tmp_path / "a" / "checkpoint-2" / PRIVACY_STATE)
+    again = lm_trainer(tmp_path / "b", args=arguments(tmp_path / "b"))
+    with pytest.raises(ValueError, match=PRIVACY_STATE):
+        again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-2"))
+
+
+def test_the_logged_epsilon_is_dp_accounting(tmp_path):
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    config = privacy(accounting="rdp", epochs=2.0)
+    trainer = lm_trainer(tmp_path, config=config)
+    trainer.train()
+    logged = [(row["step"], row["epsilon"]) for row in trainer.state.log_history
+              if "nonprivate/loss" in row]  # fmt: skip
+    assert [step for step, _ in logged] == list(range(1, 7))
+    event = dp_accounting.PoissonSampledDpEvent(B / N, dp_accounting.GaussianDpEvent(1.0))
+    for step, epsilon in logged:
+        accountant = RdpAccountant()
+        accountant.compose(event, step)
+        assert epsilon == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_training_stops_at_the_epsilon_budget(tmp_path):
+    config = privacy(epochs=3.0, epsilon_budget=None)
+    planned = lm_trainer(tmp_path / "a", config=config)
+    planned.train()
+    budget = 0.5 * (planned.private.epsilon() + _epsilon_after(planned, 1))
+    config = privacy(epochs=3.0, epsilon_budget=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the plan overruns the budget: said at construction
+        trainer = lm_trainer(tmp_path / "b", config=config)
+    trainer.train()
+    assert 0 < trainer.state.global_step == trainer.private.steps_done < planned.private.steps_done
+    assert trainer.private.epsilon() <= budget
+    assert trainer.state.log_history[-1]["epsilon"] <= budget
+
+
+def _epsilon_after(trainer, steps):
+    from dpfunc.accounting import epsilon
+
+    config = trainer.private.config
+    return epsilon(config.noise_multiplier, trainer.private.sample_rate, steps, config.delta)
+
+
+def test_save_model_writes_the_privacy_report(tmp_path):
+    trainer = lm_trainer(tmp_path)
+    trainer.train()
+    trainer.save_model()
+    with open(tmp_path / PRIVACY_REPORT) as f:
+        report = json.load(f)
+    assert report["steps"] == 3 and report["epsilon"] == trainer.private.epsilon()
+    assert not os.path.exists(tmp_path / PRIVACY_STATE)  # the secret is in checkpoints only
+
+
+def test_sequence_classification_is_ghost_clipped_and_trains(tmp_path):
+    torch.manual_seed(0)
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=16, num_labels=3))  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    rows = [{"input_ids": torch.randint(1, VOCAB, (8,), generator=g).tolist(),
+             "label": int(torch.randint(3, (), generator=g))} for _ in range(N)]  # fmt: skip
+    before = trainable(bert)
+    trainer = PrivateTrainer(model=bert, args=arguments(tmp_path), privacy=privacy(),
+                             train_dataset=datasets.Dataset.from_list(rows), seed=2,
+                             speed=dpfunc.SpeedConfig(model=bert, method="ghost"))  # fmt: skip
+    micro, _ = trainer.private.plan.batches.logical_batch(0)
+    batch = micro[0][0]
+    plan = trainer.private.step_fn.explain(trainer.private.full_params(), batch)
+    assert set(plan.values()) == {"ghost"}
+    trainer.train()
+    assert all(not torch.equal(p, before[n]) for n, p in trainable(bert).items())
+
+
+def test_bf16_autocast_trains_with_ghost_clipping(tmp_path):
+    model = gpt2_lora()
+    speed = dpfunc.SpeedConfig(model=model, method="ghost")
+    trainer = lm_trainer(tmp_path, model=model, args=arguments(tmp_path, bf16=True), speed=speed)
+    trainer.train()
+    assert all(torch.isfinite(p).all() for p in trainable(trainer.model).values())
+
+
+def test_max_grad_norm_warns_and_is_not_applied(tmp_path):
+    with pytest.warns(UserWarning, match="max_grad_norm=1.0 is not used"):
+        trainer = lm_trainer(tmp_path, args=arguments(tmp_path, max_grad_norm=1.0))
+    assert trainer._clip_grad_norm(trainer.model) is None
+
+
+REFUSED = {
+    "gradient_accumulation_steps": 2,
+    "fp16": True,
+    "torch_compile": True,
+    "auto_find_batch_size": True,
+    "neftune_noise_alpha": 5.0,
+    "activation_checkpointing": True,
+    "include_num_input_tokens_seen": "all",
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_settings_that_change_the_accounting_or_the_update_are_refused(tmp_path, name):
+    args = arguments(tmp_path)
+    setattr(args, name, REFUSED[name])
+    with pytest.raises(ValueError, match=name):
+        lm_trainer(tmp_path, args=args)
+
+
+def test_other_refusals_name_what_to_use(tmp_path):
+    with pytest.raises(TypeError, match="dpfunc.DPConfig"):
+        lm_trainer(tmp_path, config={"clip_norm": 1.0})
+    with pytest.raises(ValueError, match="loss="):
+        lm_trainer(tmp_path, compute_loss_func=lambda outputs, labels, num_items_in_batch: 0)
+    with pytest.raises(ValueError, match="one place"):
+        lm_trainer(tmp_path, args=arguments(tmp_path, num_train_epochs=5))
+    args = arguments(tmp_path)
+    args.push_to_hub, args.hub_strategy = True, "checkpoint"
+    with pytest.raises(ValueError, match="secret seed"):
+        lm_trainer(tmp_path, args=args)
+    with pytest.raises(ValueError, match="no 'labels'"):
+        PrivateTrainer(model=gpt2_lora(), args=arguments(tmp_path), train_dataset=texts(),
+                       data_collator=lambda f: {"input_ids": pad(f)["input_ids"]},
+                       privacy=privacy())  # fmt: skip
+
+
+def test_the_length_of_the_run_follows_the_training_arguments(tmp_path):
+    config = dpfunc.DPConfig(expected_batch_size=B, clip_norm=1.0, noise_multiplier=1.0,
+                             delta=1e-5)  # fmt: skip
+    trainer = lm_trainer(tmp_path, args=arguments(tmp_path, max_steps=5), config=config)
+    trainer.train()
+    assert trainer.state.global_step == trainer.private.steps_done == 5
+    assert trainer.private.total_steps == 5
+
+
+def test_the_heads_by_model_class():
+    logits, labels = torch.randn(2, 3), torch.tensor([0, 2])
+    bert = transformers.BertForSequenceClassification(transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=8, num_labels=3))  # fmt: skip
+    head = per_example_loss(bert)
+    torch.testing.assert_close(
+        head(logits, labels), torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    )
+    assert per_example_loss(gpt2_lora()) is dpfunc.losses.causal_lm
+    with pytest.raises(ValueError, match="label_smoothing"):
+        per_example_loss(gpt2_lora(), label_smoothing=0.1)
+    with pytest.raises(ValueError, match="no built-in per-example loss for BertModel"):
+        per_example_loss(bert.bert)
+    bert.config.problem_type = "regression"
+    with pytest.raises(ValueError, match="regression"):
+        per_example_loss(bert)
+    assert math.isfinite(float(head(logits, labels).sum()))
