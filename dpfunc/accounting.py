@@ -1,95 +1,34 @@
 """Privacy accounting for DP-SGD: a thin layer over Google's ``dp_accounting``.
 
-One DP-SGD step is the *Poisson-sampled Gaussian mechanism* (Abadi et al.
-2016, "Deep Learning with Differential Privacy"): every example joins the
-batch independently with probability ``sample_rate``, the clipped sum gets
-Gaussian noise of standard deviation ``noise_multiplier * clip_norm``.
-Neighbouring datasets differ by adding or removing one example
-(``NeighboringRelation.ADD_OR_REMOVE_ONE``). In ``dp_accounting`` terms a
-run of ``steps`` identical steps is::
+One DP-SGD step is the Poisson-sampled Gaussian mechanism (Abadi et al. 2016)
+under add-or-remove-one neighbours: every example joins the batch
+independently with probability ``sample_rate``, and the clipped sum gets
+Gaussian noise of standard deviation ``noise_multiplier * clip_norm``. This
+module builds the ``dp_accounting`` events of such runs and answers from them:
+:func:`epsilon`, :func:`calibrate_noise_multiplier` (the noise a target
+epsilon needs), :func:`max_steps_within` (the steps a budget allows), and
+:class:`Accountant` for a history whose noise or rate changes. It re-derives
+none of the mathematics.
 
-    SelfComposedDpEvent(
-        PoissonSampledDpEvent(sample_rate, GaussianDpEvent(noise_multiplier)), steps
-    )
+Two methods (:data:`METHODS`): ``"pld"``, the default, privacy loss
+distributions on the grid :data:`PLD_VALUE_DISCRETIZATION_INTERVAL`, nearly
+tight and composed fast by :mod:`dpfunc.pld`; and ``"rdp"``, Rényi DP, a
+looser bound, what older libraries report. Correlated noise (``bands=b``) is
+accounted as DP-SGD for :func:`participations` ``= ceil(steps / b)`` steps.
 
-and a training history whose noise or rate changes is the ``ComposedDpEvent``
-of its runs. This module builds those events, keeps the history
-(:class:`Accountant`), and answers epsilon, calibration and the steps a budget
-allows. dpfunc re-derives none of the mathematics: the epsilon is the one the
-library's accountants give for these events, or, for PLD, an upper bound on it
-that is never below it, from :mod:`dpfunc.pld` (see "Cost" and "Out of reach"
-below).
+Privacy: every epsilon is an upper bound. The RDP one is ``dp_accounting``'s,
+exactly; the PLD one is the library's pessimistic estimate or above it, never
+below (by at most 1e-5 relative for ``delta >= 1e-6``, 1e-3 for ``delta >=
+1e-8``). Where the 1e-4 grid is out of reach, a coarser grid or RDP gives a
+larger bound and a ``RuntimeWarning`` says so; a ``delta`` that the library's
+own FFT rounding reaches is refused (``ValueError``).
 
-Two methods:
+>>> round(epsilon(1.5, 0.04, steps=2250, delta=1e-5), 2)  # RDP: 7.33
+6.77
 
-* ``"pld"`` (default): privacy loss distributions with the "connect the
-  dots" discretisation (Koskela, Jälkö & Honkela 2020, "Computing tight
-  differential privacy guarantees using FFT"; Doroshenko, Ghazi, Kamath,
-  Kumar & Manurangsi 2022, "Connect the Dots: Tighter Discrete
-  Approximations of Privacy Loss Distributions"), as
-  ``dp_accounting.pld.PLDAccountant`` computes them. Nearly tight, and still an upper
-  bound (the library's pessimistic estimate). dpfunc fixes
-  ``value_discretization_interval=1e-4`` (:data:`PLD_VALUE_DISCRETIZATION_INTERVAL`),
-  the setting with which the reference numbers in ``shared/reference`` were
-  made; a coarser grid is faster and gives a (slightly) larger epsilon.
-* ``"rdp"``: Rényi differential privacy (Mironov 2017, "Rényi Differential
-  Privacy"; Mironov, Talwar & Zhang 2019 for the sampled Gaussian) over
-  ``dp_accounting``'s default orders, via ``dp_accounting.rdp.RdpAccountant``.
-  A looser upper bound, and what older libraries report (TensorFlow
-  Privacy, Opacus with ``accountant="rdp"``); use it to compare with them.
-
-Correlated noise (:mod:`dpfunc.matrix_factorization`, ``bands = b > 1``)
-is accounted as its amplification theorem states it (Choquette-Choo,
-Ganesh, McKenna, McMahan, Rush, Thakurta and Xu 2023, "(Amplified) Banded
-Matrix Factorization", Theorem 4): a ``b``-banded strategy normalised to
-unit column norm, with noise multiplier ``sigma`` and cyclic Poisson
-sampling at rate ``q`` within each of ``b`` partitions, is as private as
-DP-SGD with sampling rate ``q`` and noise multiplier ``sigma`` for
-``ceil(steps / b)`` steps, the number of times the first partition (and so
-any example, at most) can take part. That DP-SGD computation is what
-``bands=`` hands to ``dp_accounting``; ``bands=1`` is DP-SGD itself.
-
-For example, ``noise_multiplier=1.5``, ``sample_rate=0.04``,
-``steps=2250``, ``delta=1e-5`` the two give epsilon 6.77 (PLD) and 7.33 (RDP).
-
-Cost, and what is cached. ``dp_accounting``'s ``PLDAccountant`` rebuilds, on
-every call, each run's one-step privacy loss distribution and self-composes
-it by FFT: 0.4-0.6 s for the epsilon after each epoch of a run, 1.3 s for a
-calibration. :mod:`dpfunc.pld` organises the same computation to be paid once
-(one-step distributions built once per setting and kept, a history composed
-in one FFT): ~10-30 ms per epoch and 0.05-0.2 s per calibration
-(``bench/accounting.md``). Its epsilon is the library's pessimistic upper
-bound on the same grid, with the composition's tails and the FFT's rounding
-(its own and the library's) counted as infinite loss, so it is never below
-the library's value; where that allowance is too large, it hands over to the
-library's accountant, or refuses a ``delta`` that the library's own rounding
-reaches (``ValueError``). It is above the library's by at most 1e-5 relative
-for ``delta >= 1e-6``, 1e-3 for ``delta >= 1e-8``, 3e-3 for ``delta >=
-1e-10``, a few percent below that, and ``inf`` for ``delta`` at most 2e-15 per
-run (the library's is ``inf`` below 1e-15): use RDP there. :mod:`dpfunc.pld`
-says why, and who decides when. ``tests/test_accounting.py`` compares the two
-over grids, and a report's epsilon is checked against the library from
-scratch (:meth:`Accountant.checked_epsilon`). RDP is the library's arithmetic
-exactly: one step's RDP per ``(noise_multiplier, sample_rate)`` is cached
-(256 of them) and multiplied by the step counts. Results of whole histories
-are cached too (256, keyed by the runs and delta). If a future
-``dp_accounting`` lacks the internals these paths read, every epsilon comes
-from its accountants instead, as slow as they are.
-
-Out of reach. Some inputs would need more than the memory or time anyone has
-(:class:`dpfunc.pld.Infeasible`): a one-step PLD of more than 2**20 grid
-points (``noise_multiplier`` below ~0.1: 6e7 points at 0.01, 38 GiB at 1e-3),
-a composition of more than 2**23 points (10**9 steps and more), or arithmetic
-that overflows (sigma near 0, rates near 0). There the PLD epsilon is computed
-on a coarser grid, ``1e-4 * 2**k`` with the smallest ``k <= 14`` that fits an
-eighth of those limits (0.2 s at ``noise_multiplier=0.05``): its one-step
-distributions dominate the 1e-4 grid's (connect-the-dots interpolates the
-convex divergence curve through fewer of the same points), so its epsilon is
-an upper bound on the 1e-4 grid's; past that, it is the RDP upper bound
-(``inf`` where even that overflows). Either way a ``RuntimeWarning`` says so,
-and :meth:`Accountant.checked_epsilon` does not run the library. Noise
-multipliers above 1e100 are accounted as 1e100: epsilon only falls as the
-noise grows (0.0 there, at any realistic step count).
+The events, both methods, the cost and the caches, the PLD allowances and
+what is out of reach: see docs/training.md, "Accounting" and the sections
+after it ("The events and the two methods" to "Out of reach").
 """
 
 from __future__ import annotations
@@ -418,7 +357,7 @@ def epsilon(
     Each step is the Poisson-sampled Gaussian mechanism (Abadi et al. 2016),
     add-or-remove-one neighbours. The number is ``dp_accounting``'s (or, for
     PLD, an upper bound never below it); the methods, allowances and
-    fallbacks: see docs/training.md, "Accounting", and the module docstring.
+    fallbacks: see docs/training.md, "Accounting" and the sections after it.
 
     Args:
         noise_multiplier: noise standard deviation over clip norm, ``>= 0``.

@@ -147,24 +147,9 @@ def epsilon_lower_bound(
 ) -> float:
     """A lower bound on epsilon from runs with and without the canary.
 
-    Under add/remove-one differential privacy at ``(epsilon, delta)``,
-    every event ``E`` of a run's output has ``P_in(E) <= exp(epsilon) *
-    P_out(E) + delta`` and ``P_out(E) <= exp(epsilon) * P_in(E) + delta``
-    (the neighbours can be taken either way round; Kairouz, Oh and
-    Viswanath 2015). Each threshold event (score above, or below, a
-    threshold) therefore certifies ``epsilon >= log((P_a(E) - delta) /
-    P_b(E))``, with the probabilities replaced by one-sided confidence
-    bounds: an exact order-statistic (Beta) bound for the side the
-    threshold was taken from and a Clopper-Pearson bound for the other
-    (Jagielski, Ullman and Oprea 2020; Nasr et al. 2021). Thresholds sit at
-    the ranks :func:`threshold_ranks` fixes in advance; all four families
-    (above or below, in over out or out over in) are tried and the best is
-    returned. A union bound over every confidence statement pays for that
-    choice, so the result holds with probability at least ``confidence``
-    over the runs, for every mechanism, with no assumption on the scores'
-    distribution: they only need to be independent draws (one per run, or
-    one per canary when, as with :class:`GradientCanary`, canaries in one
-    run are independent experiments), and their direction does not matter.
+    The largest epsilon that a threshold test on the scores certifies, with
+    one-sided confidence bounds in place of its rates and a union bound paying
+    for the choice of test (Jagielski, Ullman and Oprea 2020; Nasr et al. 2021).
 
     Args:
         scores_in: one score per run with the canary (a 1-D tensor, array
@@ -175,24 +160,27 @@ def epsilon_lower_bound(
             in ``(0, 1)``.
 
     Returns:
-        ``epsilon_lb >= 0`` such that, if the mechanism is
-        ``(epsilon, delta)``-DP, ``epsilon >= epsilon_lb`` with probability
-        at least ``confidence``. ``0.0`` when the runs show nothing. With
-        ``n`` runs a side, no result exceeds about ``log(n)``.
+        ``epsilon_lb >= 0``; ``0.0`` when the runs show nothing. With ``n``
+        runs a side, no result exceeds about ``log(n)``.
+
+    Guarantee: if the mechanism is ``(epsilon, delta)``-DP (add/remove-one),
+    ``epsilon >= epsilon_lb`` with probability at least ``confidence`` over
+    the runs, whatever the mechanism and the scores' distribution or direction,
+    provided the scores are independent draws (one per run, or one per canary
+    where the canaries of a run are independent experiments, as with
+    :class:`GradientCanary`). A result below a claim proves nothing about
+    privacy. The tests and their bounds: see docs/auditing.md, "How the lower
+    bound is computed".
 
     Raises:
         ValueError: empty, non-1-D or non-finite scores, or ``delta`` or
             ``confidence`` out of range.
         TypeError: scores that are not numbers.
 
-    For two unit-variance Gaussians one standard deviation apart (true
-    epsilon about 4.4 at ``delta=1e-5``), 10,000 scores a side give about
-    2.1:
-
-    >>> rng = np.random.default_rng(1)
+    >>> rng = np.random.default_rng(1)  # unit Gaussians 1 apart: epsilon 4.4 at 1e-5
     >>> bound = epsilon_lower_bound(rng.normal(1, 1, 10_000), rng.normal(0, 1, 10_000),
     ...                             delta=1e-5)
-    >>> 1.76 < bound < 4.4
+    >>> 1.76 < bound < 4.4  # about 2.1 from 10,000 scores a side
     True
     """
     positive = _as_scores("scores_in", scores_in)

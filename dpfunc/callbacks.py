@@ -1,53 +1,29 @@
 """Callbacks: what runs around the Trainer's steps, and the built-in ones.
 
-A callback is any object with some of these methods (each optional):
+A callback is any object with some of the methods in :data:`HOOKS`
+(``on_init``, ``on_fit_start``, ``on_epoch_end``, ``on_step_end``,
+``on_fit_end``); the Trainer calls those it has. They run in order: the
+built-ins from the Trainer's arguments (:class:`Evaluate` from ``eval_fn``),
+then the user's, then :class:`Checkpoint` (from ``checkpoint_path``) and
+:class:`ProgressBar` (``progress=True``), so a checkpoint holds what the others
+added. A callback stops ``fit`` by setting ``trainer.stop_training = True``:
+:class:`StopAtEpsilon` does so before a step would exceed an epsilon. The
+loggers :class:`CSVLogger`, :class:`JSONLogger` and :class:`TensorBoard` write
+the history records, the steps' metrics, or both.
 
-* ``on_init(trainer)``: once, at the end of ``Trainer(...)`` (after its state
-  exists; :class:`Checkpoint` resumes an existing file here);
-* ``on_fit_start(trainer, stop_at)``: ``fit`` begins; it stops at step ``stop_at``;
-* ``on_epoch_end(trainer, metrics)``: after a step that ends an epoch, or the
-  last step of a ``fit``: ``metrics`` is the new history record (``epoch``,
-  ``steps``, ``loss``, ``nonfinite``, ``epsilon``, ``clip_norm``, ``lr``),
-  already in ``trainer.history``; a callback may add keys to it;
-* ``on_step_end(trainer, metrics)``: after every step (after
-  ``on_epoch_end`` when both fire): ``metrics`` are the step's, as floats
-  (``loss``, ``batch_size``, ``clipped_fraction``, ``nonfinite``, norm
-  quantiles, see :func:`dpfunc.summarize`; ``lr``, the rate this step's
-  update applied; ``examples_per_second`` since the ``fit`` began);
-* ``on_fit_end(trainer, history)``: ``fit`` returns ``history``.
+Privacy: the values in :data:`NON_PRIVATE_METRICS` read the data without noise;
+they are diagnostics, NOT differentially private. Those in
+:data:`PUBLIC_METRICS` are public or post-processing of what the accountant
+accounts, and safe to publish with the model. Every other key (what an
+``eval_fn`` or a callback adds) is treated as non-private, since an evaluation
+on private data is not accounted. The loggers write each non-private key under
+the prefix :data:`NON_PRIVATE_PREFIX` (``nonprivate/loss``), so a log file says
+which of its numbers may not be published.
 
-A callback stops ``fit`` by setting ``trainer.stop_training = True``: ``fit``
-checks it before each step (and resets it when it starts). If that leaves
-steps since the last record, ``fit`` makes one more record (and runs
-``on_epoch_end``) before ``on_fit_end``, so the last record is always that of
-the parameters returned. Distributed, every rank must set it at the same
-step (decide from values that agree across ranks, such as the epsilon).
-
-Callbacks run in order: the Trainer's built-ins from its arguments
-(:class:`Evaluate` from ``eval_fn``), then the user's, then
-:class:`Checkpoint` (from ``checkpoint_path``) and :class:`ProgressBar`
-(``progress=True``), so a checkpoint holds what the others added.
-Distributed, every rank runs every callback (the built-ins write and show
-on rank 0 only).
-
-**Which metrics are private.** The values in :data:`NON_PRIVATE_METRICS` read
-the data without noise: they are diagnostics, NOT differentially private.
-Those in :data:`PUBLIC_METRICS` are public or post-processing of what the
-accountant accounts, and safe to publish with the model. Every other key
-(what an ``eval_fn`` or a callback adds) is treated as non-private, since
-an evaluation on private data is not accounted. The loggers
-(:class:`CSVLogger`, :class:`JSONLogger`, :class:`TensorBoard`) write each
-non-private key under the prefix :data:`NON_PRIVATE_PREFIX` (``nonprivate/loss``),
-so a log file says which of its numbers may not be published.
-
-**Log files.** The file loggers write on rank 0 only, open their file when a
-``fit`` starts, write and flush one line per row, and close it when the
-``fit`` ends. A new run (``trainer.steps_done == 0``) never writes into an
-existing non-empty file: that raises ``FileExistsError`` before the first
-step. A resumed run (steps already done, e.g. from a checkpoint) and a later
-``fit`` of the same run append to it. After a resume from a checkpoint the
-steps logged between that checkpoint and the interruption are logged again:
-keep the last row of each ``steps``.
+Each hook's arguments and timing, the order, stopping a ``fit`` (on every rank
+at the same step), and the log files (rank 0 only, never over an existing one,
+appended on a resume): see docs/training.md, "Callbacks" and "Logging,
+stopping at an epsilon, and the privacy report".
 """
 
 from __future__ import annotations

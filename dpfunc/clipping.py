@@ -254,50 +254,37 @@ def clip_margin(
 ) -> ClipMargin:
     """The margin that makes ``factor * norm <= C`` hold for the contribution as computed.
 
-    With ``n`` the exact norm of an example's gradient and ``n^`` the
-    :func:`per_sample_norms` value, ``n <= (n^ + floor) / sqrt(1 - e_norm) /
-    (1 - u64)``, where ``e_norm`` is ``gamma_{NORM_CHUNK + 2}`` of float32
-    (runs of float32 squares and the run's square root) combined with
-    ``gamma_{2 size + 8}`` of float64 (the float64 sums, the squares of float64
-    entries, the square roots), and ``floor = sqrt(size * 2**-125)`` bounds
-    the squares that underflow in float32 (``2**-1021`` in float64). The clipped
-    sum (:func:`clipped_sum`) then rounds the factor to the accumulation
-    dtype, multiplies and adds ``rows`` rows: every coordinate of a
-    contribution grows by at most ``1 + gamma_{rows + 2}`` of that dtype
-    (attributing each rounding to the terms it touches). Adding the
-    micro-batch sums and the ranks' sums adds, in float64, ``gamma_N`` of
-    float64 with ``N = ACCUMULATED_SUMS``; for float32 accumulation the
-    margin takes ``gamma_{rows + 2 + K}`` of float32 with ``K =
-    FLOAT32_SUMS`` instead of ``gamma_{rows + 2}`` (a float32 running sum and
-    a float32 all-reduce, ``K`` additions in all) times the float64 growth
-    (the additions past ``K``, in float64). ``scale`` is the product of these
-    growths and of ``1 + gamma_16`` of float64 for the arithmetic of the factor
-    itself (and of per-group thresholds), so ``C / (scale * (n^ + floor))``
-    times the computed contribution's growth is at most ``C``.
-
-    A product that underflows to a subnormal float32 number can add up to
-    ``2**-150`` per coordinate, which matters only for clip norms far below
-    any in use (under ``sqrt(size) * 1e-44``).
+    :func:`clip_factors` divides by ``scale * (norm + floor)`` rather than by
+    the computed norm: ``scale`` covers the relative rounding of the norm, of
+    the factor, of the micro-batch's clipped sum and of the running sum over
+    micro-batches and ranks (for the fixed counts ``FLOAT32_SUMS`` and
+    ``ACCUMULATED_SUMS``), ``floor`` the squares that underflow.
 
     Args:
         rows: the rows the clipped sum adds in one micro-batch, padding
             included (the physical batch size: public, fixed).
-        dtype: the gradients' dtype (the lowest precision among them).
-            float64 gradients are normed and summed in float64; every
-            other dtype is normed in float32 runs and summed in float32
-            (:func:`accumulation_dtype`).
+        dtype: the gradients' dtype (the lowest precision among them): float64
+            is normed and summed in float64, any other dtype normed in float32
+            runs and summed in float32 (:func:`accumulation_dtype`).
         size: the coordinates of one example's gradient (all parameters,
             or the largest group); ``None`` assumes up to ``MAX_SIZE``.
 
     Returns:
         :class:`ClipMargin` ``(scale, floor)``, Python floats: ``scale`` is
         about ``1 + 2.7e-5`` for 256 float32 rows (``1 + 1.2e-5`` for 16) and
-        ``1 + 1.2e-10`` in float64 (``scale - 1`` grows with ``rows``;
-        ``size=None`` adds up to ``1.2e-4``).
+        ``1 + 1.2e-10`` in float64, growing with ``rows`` and slightly with
+        ``size`` (``size=None`` adds up to ``1.2e-4``).
+
+    Rounding: with these factors every example's contribution to the sum the
+    noise is added to, as computed, has norm at most ``C``; the margin reads
+    only public sizes. Products that underflow to subnormal float32 numbers
+    escape (``2**-150`` a coordinate: clip norms under ``sqrt(size) * 1e-44``).
+    The bound term by term: see docs/precision.md, "The clip margin, term by
+    term".
 
     Raises:
-        ValueError: ``rows`` or ``size`` is not an int >= 0 / >= 1, or ``dtype``
-            is not a floating-point dtype.
+        ValueError: ``rows`` or ``size`` is not an int >= 0 / >= 1, ``dtype``
+            is not a floating-point dtype, or they are too large for a bound.
 
     >>> m = clip_margin(256, torch.float32, size=10**6)
     >>> bool(1e-5 < m.scale - 1 < 3e-5), bool(m.floor < 1e-15)

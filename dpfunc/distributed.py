@@ -1,83 +1,29 @@
 """Data-parallel DP-SGD over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
 
-Every rank holds the whole model and a share of each logical batch. One
-private step on ``W`` ranks::
+Every rank holds the whole model and a share of each logical batch
+(:class:`dpfunc.data.PoissonBatches` with ``rank`` and ``world_size``). A rank
+computes the clipped sum of its share, one all-reduce adds the ranks' sums,
+and every rank adds the same noise, drawn from the shared secret ``(seed,
+step)`` with no broadcast, divides by the global expected batch size and
+applies the same update: the ranks' parameters stay bit-identical, and a step
+is the single-process one up to the order of float additions.
 
-    every rank r:  its share of the Poisson batch (PoissonBatches(rank=r, world_size=W))
-                     -> step.clip: clipped sum S_r over its micro-batches       (local)
-    all ranks:     all_reduce(SUM): S = S_0 + ... + S_{W-1}                     (the only
-                                                                               collective)
-    every rank:    S + noise_multiplier * clip_norm * z,  z = standard_normal_like(params,
-                   seed, step), the SAME z on every rank -> / expected_batch_size -> update
+Main names: :func:`init` and :func:`shutdown` (the process group, with the
+timeout of every collective), :func:`shared_secret_seed` (rank 0 draws the
+secret and broadcasts it), :func:`make_train_step` (a :class:`dpfunc.TrainStep`
+with these collectives injected; ``shard=True``: :mod:`dpfunc.sharding`), and
+:class:`CollectiveError`, raised when a rank dies or hangs.
 
-**Why the noise is added once, with no broadcast.** The Gaussian mechanism
-must add ``N(0, (sigma * C)**2)`` to the clipped sum of the WHOLE logical
-batch, once. ``standard_normal_like(params, seed, step)`` is a deterministic
-function of ``(seed, step)`` (a generator keyed by their hash), so every rank
-draws the same ``z`` without communicating and adds it AFTER the all-reduce:
-each rank then holds the same ``S + sigma * C * z``, which is exactly the
-single-process mechanism. Adding noise before the all-reduce would be wrong
-either way: the same ``z`` on every rank would sum to ``W * sigma * C * z``
-(std ``W`` times too large), independent draws to std ``sqrt(W)`` times too
-large; both waste utility, and neither is what the accountant assumes.
-Broadcasting ``z`` from rank 0 would be correct too but costs a second
-model-sized collective per step. The price of this choice: every rank must
-use the same secret ``seed`` (:func:`shared_secret_seed` draws it on rank 0
-and broadcasts it; :class:`dpfunc.Trainer` does so when ``seed=None`` and
-checks that its settings agree across ranks) and its parameters must live
-on the same kind of device (the generator of each rank's device then yields
-the same stream). Every rank
-applies the same update to bit-identical parameters (they all receive the
-same reduced tensor), so the ranks' parameters stay bit-identical.
+Privacy: the noise is added once, after the all-reduce, to the clipped sum of
+the whole logical batch, and the accountant counts one step per logical batch
+at the whole dataset's ``sample_rate``: the single-process mechanism. Every
+rank must hold the same secret seed. The step metrics gather every rank's
+per-example statistics and are NOT private.
 
-**Sampling.** :class:`dpfunc.data.PoissonBatches` with ``rank`` and
-``world_size`` gives each rank ``indices[rank::world_size]`` of the same
-logical batch (a function of ``(seed, step)``), padded to the same number of
-micro-batches on every rank without communication. The accountant sees ONE
-step per logical batch with the whole dataset's ``sample_rate``, and the
-average divides by the GLOBAL ``expected_batch_size = sample_rate *
-num_examples``, never by a rank's share. The result equals the
-single-process step on the concatenated batch up to float summation order
-(the running sum is float64, so about 1e-16 relative across ranks; within a
-rank's micro-batch the sum is float32 for float32 parameters).
-
-**Metrics** (:func:`~dpfunc.summarize`) are computed from the per-example
-stats of ALL ranks, all-gathered, so every rank reports the same
-whole-batch loss, batch size, clipped fraction and norm quantiles. Like the
-single-process metrics they read the data without noise and are NOT
-private.
-
-**Failures.** A collective waits for every rank. If a rank dies, the
-others' collective fails when its connection closes; if a rank hangs (or
-stops calling the same collectives, e.g. after an exception), the others'
-collective fails after the process group's timeout. Either way dpfunc
-raises :class:`CollectiveError` (a ``RuntimeError``) naming the collective,
-the step and the likely cause. Set the timeout with
-``init(timeout_s=...)``: it must exceed the longest time one rank can spend
-between two collectives while the others wait (the first ``torch.compile``,
-``eval_fn``, a checkpoint write, the accountant). With NCCL, failures are
-detected by NCCL's watchdog, which by default aborts the process
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) instead of raising.
-
-**torch.compile.** The collectives run eagerly. ``step.compile()`` compiles
-the local pieces between them (each micro-batch's clipped sum; the noise,
-average and update of an already reduced sum); :class:`dpfunc.Trainer` with
-``compile=True`` does this.
-
-Usage (run with ``torchrun --nproc-per-node 2 script.py``)::
-
-    info = dpfunc.distributed.init(timeout_s=120)           # gloo on CPU, nccl on CUDA
-    step = dpfunc.distributed.make_train_step(loss_fn, opt, clip_norm=1.0,
-                                              noise_multiplier=1.1, expected_batch_size=256)
-    state = step.init(params)                                 # collective: rank 0's params
-    secret = dpfunc.distributed.shared_secret_seed()          # collective: rank 0 draws it
-    batches = step.config.sampler(dataset, 64, seed=secret,
-                                  rank=info.rank, world_size=info.world_size)
-    for t in range(steps):
-        noise = step.draw_noise(state.params, seed=secret, step=t)
-        state, _ = step.logical_step(state, batches.logical_batch(t)[0], noise)
-        # all-reduce, gather, noise once, update
-    dpfunc.distributed.shutdown()
+The step on ``W`` ranks, the split of a batch, why the noise needs no
+broadcast, failures and timeouts, ``torch.compile`` and a full loop under
+``torchrun``: see docs/distributed.md, from "One step on W ranks" to
+"torch.compile".
 """
 
 from __future__ import annotations

@@ -1,73 +1,31 @@
 """The PLD epsilon of DP-SGD, composed in one FFT over cached one-step distributions.
 
-What it computes. The epsilon at a given ``delta`` of a history of runs
+:func:`epsilon` gives the epsilon at a ``delta`` of a history of runs
 ``(noise_multiplier, sample_rate, steps)`` of the Poisson-sampled Gaussian
 mechanism under add-or-remove-one neighbours, from privacy loss distributions
 (PLDs) with the pessimistic "connect the dots" discretisation (Koskela, Jälkö &
-Honkela 2020, "Computing tight differential privacy guarantees using FFT";
-Doroshenko, Ghazi, Kamath, Kumar & Manurangsi 2022, "Connect the Dots: Tighter
-Discrete Approximations of Privacy Loss Distributions"): the number that
-``dp_accounting.pld.PLDAccountant`` gives for the events
-:mod:`dpfunc.accounting` builds, or an upper bound on it, computed so that it is
-paid once. The library's accountant rebuilds, on every call, each run's one-step
-privacy loss distribution (a Python loop over ~10^5 grid points: 0.1-0.3 s) and
-self-composes it by FFT; the epsilon after each epoch of a run cost 0.4-0.6 s that
-way, and a calibration 1.3 s. Here:
+Honkela 2020; Doroshenko, Ghazi, Kamath, Kumar & Manurangsi 2022): the number
+``dp_accounting.pld.PLDAccountant`` gives for the events :mod:`dpfunc.accounting`
+builds, or an upper bound on it, computed so that each piece is paid once.
+:func:`step_losses` builds one step's distribution (:class:`StepLoss`, each side
+kept in a small cache with its FFT); a history composes in one FFT, whatever its
+length. An epsilon after each epoch costs ~10-30 ms and a calibration
+0.05-0.2 s, against 0.4-0.6 s and 1.3 s by the library's accountant.
 
-* the one-step distribution of each ``(noise_multiplier, sample_rate,
-  grid)`` is built once, by the library's own privacy-loss object with its
-  grid evaluated in one numpy pass, and the connect-the-dots formulas
-  (Doroshenko et al. 2022, Algorithm 1); the last 8 stay in memory (an LRU
-  cache, up to ~10 MB each at ``sample_rate=0.005``), each with its last FFT;
-* ``t`` steps (and a history of runs) compose in one FFT: the product of
-  the steps' spectra raised to their counts, over the window that the
-  Chernoff bound gives (the library's method, at more orders), whatever the
-  history's length. Only the frequencies whose power is not exactly
-  ``0.0`` in float64 are exponentiated;
-* the epsilon search scans the losses from the top in numpy blocks.
+Privacy: the result is never below the library's at the same settings. It is
+the library's pessimistic bound on the same grid with the composition's tails
+and the FFT's rounding (its own and the library's) counted as infinite loss,
+and rounded up; above the library's by at most 1e-5 relative for ``delta >=
+1e-6``, 1e-3 for ``delta >= 1e-8``, 3e-3 for ``delta >= 1e-10``, a few percent
+below that, and ``inf`` for ``delta`` at most 2e-15 per run. Where that
+allowance is too large the caller's library accountant decides, or the
+``delta`` is refused (``ValueError``). A one-step PLD or a composition beyond
+the size limits is not built: :class:`Infeasible` says so, and by how much
+coarser the grid would have to be.
 
-An epsilon after each epoch then costs ~10-30 ms and a calibration
-0.05-0.2 s, in a fresh process (``bench/accounting.md``).
-
-Why it is never below the library's value at the same settings. The result is
-the library's pessimistic upper bound on the same grid, with these allowances
-counted as infinite loss (each raises epsilon a little, never lowers it):
-
-* the tails that the composition cuts (at most 1e-15 of mass per run, by the
-  Chernoff bound) as the library counts them, plus another 1e-15 per run for
-  what the library's own truncation and FFT wrap-around can add at the top;
-* the FFT's rounding, of this composition and of the library's: raising a
-  spectrum to the power ``t`` multiplies its rounding by ``t``, which moves
-  every tail sum of the composed distribution, hence the hockey-stick
-  divergence at every epsilon, by up to about ``eps * t * ||p||_2 *
-  sqrt(log2 size)`` (``p`` the one-step PMF; measured at most 3.9 times that,
-  against the same composition in extended precision, on 260 random cases);
-  16 times that is counted, with twice the mass of the bins the rounding made
-  negative (set to 0). Without it the library's own rounding lifted its
-  epsilon above the fast one by up to 1.1e-4 relative (long runs at
-  ``delta <= 1e-8``).
-
-The epsilon is also rounded up by 1e-7 relative for the one-step arithmetic,
-which differs from the library's by rounding (about 1e-9 relative, measured).
-Who computes it is decided before anything is composed: the fast composition
-where its rounding allowance ``A`` is at most ``delta / 100``; else the
-library's accountant (handed in by the caller) where it is estimated to take
-at most ~1.5 s; else the fast composition while ``A < delta / 2``; else the
-library where it takes at most ~5 s; else ``ValueError`` (``delta`` too small
-for PLD accounting of those steps: the library's own rounding reaches it).
-
-The numbers that matter. The epsilon is never below the library's, and above
-it by at most 1e-5 relative for ``delta >= 1e-6``, 1e-3 for ``delta >=
-1e-8``, 3e-3 for ``delta >= 1e-10``, a few percent below that (the largest on
-240 random cases: 1.6e-6, 2.3e-4, 8.7e-4 and 8.3e-3; ``bench/accounting.md``).
-It is ``inf`` for ``delta`` at most 2e-15 per run (the tails counted as
-infinite loss; the library's is ``inf`` below 1e-15). A one-step PLD of more
-than 2**20 grid points (``noise_multiplier`` below ~0.1 on the 1e-4 grid) or a
-composition of more than 2**23 points (10**9 steps and more) is not built:
-:class:`Infeasible` says so, and by how much coarser the grid would have to be
-(:mod:`dpfunc.accounting` then tries a coarser grid, or RDP).
-``tests/test_accounting.py`` compares each piece, and the whole, with the
-library.
+The construction, the allowances and why they suffice, who computes an
+epsilon, and the measured numbers: see docs/training.md, "How the PLD epsilon
+is computed" and "Out of reach".
 """
 
 from __future__ import annotations

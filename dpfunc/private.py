@@ -1,15 +1,14 @@
 """Private gradients for your own training loop: ``torch.optim`` on DP-SGD's noisy average.
 
 :class:`PrivateGradients` is DP-SGD without the optimizer. It samples the
-logical batches (Poisson, secretly keyed), and its :meth:`~PrivateGradients.backward`
-writes into every trainable parameter's ``.grad`` the private gradient of
-the batch, ``(clipped sum + noise) / expected_batch_size``; any
-``torch.optim`` optimizer and learning-rate scheduler then take the step. The
-optimizer only ever sees the private gradient, so it costs no privacy (a
-post-processing). It is the Trainer's step without its last box: the same
-sampler, clipping (vmap or ghost), noise, micro-batch accumulation,
-collectives and accountant (:meth:`dpfunc.TrainStep.logical_gradient`), so
-with ``torch.optim.SGD`` it gives the Trainer's update for the same seed::
+logical batches (Poisson, secretly keyed: :class:`LogicalBatch`), and its
+:meth:`~PrivateGradients.backward` writes into every trainable parameter's
+``.grad`` the private gradient of the batch, ``(clipped sum + noise) /
+expected_batch_size``; any ``torch.optim`` optimizer and learning-rate scheduler
+then take the step. It is the Trainer's step without its last box (the same
+sampler, clipping, noise, micro-batches, collectives and accountant:
+:meth:`dpfunc.TrainStep.logical_gradient`), so with ``torch.optim.SGD`` it gives
+the Trainer's update for the same seed::
 
     private = dpfunc.PrivateGradients(model, loss_fn, dataset, expected_batch_size=256,
                                       clip_norm=1.0, target_epsilon=3.0, delta=1e-5, epochs=3)
@@ -20,35 +19,17 @@ with ``torch.optim.SGD`` it gives the Trainer's update for the same seed::
         optimizer.step(); scheduler.step(); optimizer.zero_grad()
     print(private.epsilon(1e-5))
 
-The model is read live. Every :meth:`~PrivateGradients.backward` reads the
-model's current trainable parameters, so a model moved or converted after
-``PrivateGradients`` was built (``model.to(device)``, ``model.double()``) is
-followed: the gradient is computed from, and written to, the parameters as
-they are then. What cannot be followed is refused with a message that says
-what changed: a parameter that is no longer the same tensor object (a
-module replaced, a conversion that swaps parameters), or a change in which
-parameters are trainable or in their shapes (a PEFT wrap injects adapters
-and freezes the rest). An optimizer built on the old parameters would then
-train tensors the gradient is never written to. Build ``PrivateGradients``
-(and the optimizer) after such changes.
+Privacy: the optimizer only ever sees the private gradient, so it costs no
+privacy (a post-processing), and nothing else may reach it. ``p.grad`` belongs
+to the private step: an autograd gradient into a trainable parameter before
+the private one is cleared is refused, and so is an optimizer step on a
+``.grad`` that ``backward`` did not write, or on a frozen parameter holding one.
+A batch is released once, in order, as the sampler drew it (a yielded copy that
+was changed is refused). The model is read live: a parameter replaced, or a
+change in which parameters are trainable, is refused.
 
-``p.grad`` belongs to the private step. From :meth:`~PrivateGradients.backward`
-until the gradient is cleared (``optimizer.zero_grad()``), an autograd
-gradient into a trainable parameter (a later ``loss.backward()``, the habit
-from Opacus, where it would be added to the private gradient) is refused
-at once, before it reaches ``.grad``. Before any ``torch.optim`` optimizer
-steps, a trainable parameter's ``.grad`` must be the private gradient
-``backward`` wrote, and a frozen parameter of the model must hold none: a
-gradient from anywhere else (autograd after ``zero_grad``, a stale one on a
-parameter frozen later) would move the model by a non-private gradient, and
-the step is refused. ``backward`` clears stale gradients of frozen
-parameters, with a warning.
-
-A batch is what the sampler drew. :meth:`~PrivateGradients.batches` yields a
-copy of each batch; :meth:`~PrivateGradients.backward` computes from the
-sampler's own, and refuses a yielded batch that was changed (a mask edited,
-a micro-batch replaced or augmented in place: augmentation belongs in
-``loss_fn``).
+The loop, the model read live, the guards on ``p.grad``, resuming (the state
+holds the secret seed) and several processes: see docs/own-loop.md.
 """
 
 from __future__ import annotations
@@ -265,7 +246,8 @@ class PrivateGradients(PlannedRun):
             ValueError: ``batch`` is not the one :meth:`batches` yielded for
                 the next step (a batch released twice would release its
                 noise twice; a batch of one's own is not a Poisson sample), or the model's
-                trainable parameters changed (see the module docstring).
+                trainable parameters changed (see docs/own-loop.md, "The
+                model is read live").
             RuntimeError: the plan or the ``epsilon_budget`` is used up.
             FloatingPointError: non-finite examples (``nonfinite``); nothing
                 is written then.

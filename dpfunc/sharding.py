@@ -1,61 +1,32 @@
 """Sharded data-parallel DP-SGD: the parameters, optimizer state and noise history split over ranks.
 
-Data-parallel training (:mod:`dpfunc.distributed`) keeps the whole model,
-the whole optimizer state and (with ``bands > 1``) the whole noise history
-on every rank. Sharded training keeps ``1/W`` of each on each of ``W``
-ranks, in the layout of FSDP2 (``torch.distributed.fsdp.fully_shard``,
-itself ZeRO stage 3, Rajbhandari et al. 2020): every parameter is cut along
-dim 0 as ``torch.chunk`` cuts it, ``c = ceil(d0 / W)`` rows a chunk, and
-rank ``r`` holds rows ``[r c, (r + 1) c)`` clipped to ``[0, d0)`` (the last
-ranks may hold fewer rows, or none). A 0-d parameter is one row, held by
-rank 0. The optimizer state and the noise history are built from the
-shards, so they are cut the same way. One private step on ``W`` ranks::
+Data-parallel training (:mod:`dpfunc.distributed`) keeps the whole model, the
+whole optimizer state and (with ``bands > 1``) the whole noise history on every
+rank. Sharded training keeps ``1/W`` of each on each of ``W`` ranks, in the
+layout of FSDP2 (``torch.distributed.fsdp.fully_shard``): every parameter is
+cut along dim 0 as ``torch.chunk`` cuts it, and rank ``r`` holds chunk ``r``.
+A step gathers the whole parameters once, clips each example on the rank that
+holds it, reduce-scatters the clipped sums, and each rank adds the noise to,
+and updates, its own rows.
 
-    every rank r:  all_gather -> the whole parameters (transient)             collective 1
-                   its share of the Poisson batch -> clipped sum S_r of the WHOLE model
-                   (float64; every example's norm over all parameters, one clip factor)
-    all ranks:     reduce_scatter(SUM) -> rank r holds its rows of S = S_0 + ... + S_{W-1}
-                                                                              collective 2
-    every rank r:  its rows of S + sigma * C * z, z its rows of the step's standard-normal
-                   tree (drawn alone, from the shared secret) -> / expected_batch_size
-                   -> the optimizer's update of its rows
-
-**Each example's norm needs no collective.** Each example of a logical
-batch is on exactly one rank, and that rank gathers the whole model for
-its pass, as FSDP does layer by layer: the example's gradient, its norm
-over all parameters and its clip factor are computed where the example is,
-and only the clipped sums are combined. Ghost clipping's per-layer squared
-norms are likewise summed over the layers on that rank. (Summing per-shard
-norms over ranks would be needed only if ranks split one example's
-gradient between them, as tensor parallelism does.)
-
-**The noise is added once per coordinate.** Rank ``r`` draws only the rows
-it holds of the single-process standard-normal tree: the stream has random
-access by block (:func:`dpfunc.standard_normal_like` with ``rows=``), keyed
-by the shared secret, the step, the leaf and the block. The ranks' rows
-together are exactly the tree one process draws, so the sharded run adds
-the single-process noise, and the accountant's view of a step is
-unchanged. The secret is broadcast once, at the start
-(:func:`dpfunc.distributed.shared_secret_seed`), as for data-parallel runs.
-
-**The optimizer acts on rows.** It updates each rank's rows alone, which
-equals the update of the whole parameters only for an optimizer that acts
-element by element (all of :mod:`dpfunc.optim`). ``init`` checks this on a
-probe (:func:`check_elementwise`; a check, not a proof) and refuses an
-optimizer whose sharded update differs (one that reads a norm or a shape of
-a whole leaf, as factored or layer-adaptive optimizers do).
-
-**Memory.** Persistently each rank holds ``1/W`` of the parameters, of the
-optimizer state and of the noise history. During a step it holds the whole
-parameters (gathered once per logical step, not layer by layer) and the
-float64 clipped sum of the whole model, as data-parallel training does; the
-per-example work is the same as on one process for the rank's share. For an
-MLP of 88 MB with Adam on 2 ranks (``bench/sharded.md``) a rank keeps 132 MB
-(data-parallel: 265) and peaks at 1006 MB during a step (data-parallel:
-1504; non-private FSDP2, which gathers layer by layer: 370).
-
-Build it with ``dpfunc.distributed.make_train_step(..., shard=True)``,
+Main names: :class:`Sharding` (one rank's layout: its rows, shards, gathers and
+reduce-scatters), :func:`check_elementwise` (an optimizer must act element by
+element, as all of :mod:`dpfunc.optim` does), :class:`DrawnNoise` (noise drawn
+for this rank's rows of one step), and :func:`shard_module` (a module sharded
+with FSDP2 for :class:`dpfunc.PrivateGradients`). Build a run with
+``dpfunc.distributed.make_train_step(..., shard=True)``,
 ``Trainer(..., shard=True)`` or ``PrivateGradients(..., shard=True)``.
+
+Privacy: the mechanism is the single-process one. Each example's norm and clip
+factor are computed whole, on the one rank that holds the example; rank ``r``
+draws exactly its rows of the single-process noise tree
+(:func:`dpfunc.standard_normal_like` with ``rows=``), so the noise is added once
+per coordinate and the accounting is unchanged. A step refuses noise drawn
+without ``rows`` or for another step, which would add the same noise twice.
+
+The layout, the step on ``W`` ranks, why the norms need no collective, what a
+rank holds and at what memory cost: see docs/sharded.md, "One step on W ranks"
+and "What each rank holds".
 """
 
 from __future__ import annotations
