@@ -66,7 +66,7 @@ docs:
 	$(DOCS_VENV)/bin/python -m pip install --quiet --no-deps --force-reinstall \
 		"$$(ls build/docs-dist/dpfunc-*.whl)"
 	$(DOCS_VENV)/bin/python -m pip install --quiet -c requirements-dev.txt \
-		"$$(ls build/docs-dist/dpfunc-*.whl)[docs]"
+		"$$(ls build/docs-dist/dpfunc-*.whl)[docs,hf]"
 	rm -rf build/api
 	$(DOCS_VENV)/bin/sphinx-build -W --keep-going $(SPHINXOPTS) -b html docs/api build/api
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 
 import pytest
+import ranks
 import torch
 from test_noise import ks_critical, ks_statistic
 from torch.func import functional_call
@@ -191,6 +193,28 @@ def test_a_resume_follows_the_seed_rule(tmp_path):
         fixed.train(resume_from_checkpoint=checkpoint)
 
 
+def test_a_model_wrapped_after_the_trainer_was_built_is_refused(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2,
+                                     n_positions=16, pad_token_id=0)  # fmt: skip
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    trainer = lm_trainer(tmp_path, model=gpt2)
+    lora = peft.LoraConfig(r=2, target_modules=["c_attn"], fan_in_fan_out=True)
+    peft.get_peft_model(gpt2, lora)  # injects adapters into gpt2 and freezes the rest
+    with pytest.raises(ValueError, match="trainable"):
+        trainer.train()
+    assert trainer.private.steps_done == 0
+
+
+def test_a_second_train_call_does_not_train_again(tmp_path):
+    trainer = lm_trainer(tmp_path)
+    trainer.train()
+    after = trainable(trainer.model)
+    trainer.train()  # the plan is used up: the loop stops at once
+    assert trainer.private.steps_done == 3
+    assert all(torch.equal(p, after[n]) for n, p in trainable(trainer.model).items())
+
+
 def test_a_checkpoint_without_the_privacy_state_is_refused(tmp_path):
     trainer = lm_trainer(tmp_path / "a", args=saving(tmp_path / "a"))
     trainer.train()
@@ -346,3 +370,32 @@ def test_the_heads_by_model_class():
     with pytest.raises(ValueError, match="regression"):
         per_example_loss(bert)
     assert math.isfinite(float(head(logits, labels).sum()))
+
+
+def run_for_ranks(out):
+    """A run whose update does not depend on the number of processes (no dropout)."""
+    trainer = lm_trainer(out, model=gpt2_lora(dropout=0.0), args=arguments(out))
+    trainer.train()
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return {"params": trainable(trainer.model), "epsilon": trainer.private.epsilon(),
+            "steps": trainer.private.steps_done, "world": world}  # fmt: skip
+
+
+@ranks.NEEDS_GLOO
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    ranks.assert_ok(ranks.launch(__file__, [tmp_path], tmp_path, 2, guard_s=240))
+    alone = run_for_ranks(tmp_path / "alone")
+    results = [ranks.load_rank(tmp_path, rank) for rank in range(2)]
+    assert [r["world"] for r in results] == [2, 2]
+    assert results[0]["steps"] == results[1]["steps"] == alone["steps"] == 3
+    assert results[0]["epsilon"] == alone["epsilon"]
+    for name, value in alone["params"].items():
+        assert torch.equal(results[0]["params"][name], results[1]["params"][name])
+        torch.testing.assert_close(results[0]["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+if __name__ == "__main__":  # one rank of test_two_gloo_ranks_equal_one_process
+    warnings.simplefilter("ignore")
+    out = sys.argv[1]
+    result = run_for_ranks(os.path.join(out, f"run{os.environ['RANK']}"))
+    torch.save(result, os.path.join(out, f"rank{os.environ['RANK']}.pt"))

@@ -234,8 +234,10 @@ class PrivateTrainer(transformers.Trainer):
         if self.private.steps_done != self.state.global_step:
             raise RuntimeError(
                 f"the Trainer is at step {self.state.global_step} but the private run at step "
-                f"{self.private.steps_done}: the checkpoint's {PRIVACY_STATE} is not of the "
-                "same step as its trainer_state.json"
+                f"{self.private.steps_done}: a checkpoint whose {PRIVACY_STATE} is of another "
+                "step than its trainer_state.json, or a second train() without "
+                "resume_from_checkpoint. A private run goes on only from its own checkpoint: "
+                "build a new PrivateTrainer and call train(resume_from_checkpoint=...)"
             )
         model.train()
         try:
@@ -257,10 +259,15 @@ class PrivateTrainer(transformers.Trainer):
 
     def floating_point_ops(self, inputs: Any) -> int:
         """The forward and backward operations of a logical batch's micro-batches."""
+        if inputs is None:  # no step was taken
+            return 0
         if not isinstance(inputs, LogicalBatch):
             return super().floating_point_ops(inputs)
         return sum(super(PrivateTrainer, self).floating_point_ops(batch)
                    for batch, _ in inputs.micro_batches)  # fmt: skip
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> None:
+        return None  # each example's loss is its own mean: nothing is scaled by the batch
 
     def _clip_grad_norm(self, model: nn.Module) -> None:
         return None  # each example is clipped by the private step; the average is not
