@@ -921,7 +921,7 @@ def _hold(path: Any):
 
 NOT_COVERED = (
     "the trial list: K, every trial's hyperparameters and score; releasing them costs "
-    "all_trials_epsilon (K whole trials composed), not the search's epsilon",
+    "SearchResult.all_trials_epsilon (K whole trials composed), not the search's epsilon",
     "how many trials ran, and where an interrupted search stopped: anything that reveals K "
     "(a log, the search's duration) voids the theorem's hiding of K",
     "a trial function that keeps state between calls, reads earlier results, or trains more "
@@ -942,7 +942,6 @@ class SearchReport:
     epsilon: float
     delta: float
     target_epsilon: float | None
-    all_trials_epsilon: float
     accountant: str
     search: str
     trial_count: str
@@ -966,8 +965,6 @@ class SearchReport:
             f"  interrupted:     {self.interrupted_attempts} attempts, each accounted as a trial",
             f"  accountant:      {self.accountant}",
             f"  seed:            {self.seed}",
-            f"  all trials:      releasing every trial would cost epsilon "
-            f"{self.all_trials_epsilon:.6g}",
             "  not covered by the guarantee:",
             *(f"    - {item}" for item in self.not_covered),
         ]
@@ -1010,7 +1007,10 @@ class SearchResult:
         return self._search.epsilon(delta)
 
     def all_trials_epsilon(self, delta: float | None = None) -> float:
-        """What releasing every trial (and so ``K``) would cost: all attempts' events composed."""
+        """What releasing every trial (and so ``K``) would cost: all attempts' events composed.
+
+        A function of ``K``: keep it as private as the trial list (it is not in the report).
+        """
         delta = self.delta if delta is None else delta
         check_number("delta", delta, low=0, high=1, low_open=True, high_open=True)
         attempts = sum(t.attempts for t in self.trials)
@@ -1046,7 +1046,6 @@ class SearchResult:
             epsilon=self.epsilon(delta),
             delta=float(delta),
             target_epsilon=tuning.target_epsilon,
-            all_trials_epsilon=self.all_trials_epsilon(delta),
             accountant="RDP (dp_accounting's RdpAccountant, default orders) on dp_event",
             search="random search, repeat and select the best (Papernot and Steinke 2022)",
             trial_count=_distribution(tuning.mean_trials, tuning.shape),

@@ -7,6 +7,7 @@ trial would take, and the seed it would carry), so that the search's own logic i
 milliseconds; ``test_a_real_search_with_the_trainer`` runs the Trainer itself.
 """
 
+import dataclasses
 import math
 import warnings
 
@@ -376,15 +377,17 @@ def test_a_single_point_space():
 
 
 def test_the_report_names_the_search_and_what_is_released():
-    search = RandomSearch({"lr": LogUniform(0.01, 1.0)}, CONFIG, N, mean_trials=3,
+    # geometric: K >= 1
+    search = RandomSearch({"lr": LogUniform(0.01, 1.0)}, CONFIG, N, mean_trials=3, shape=1.0,
                           score_noise_multiplier=2.0)  # fmt: skip
     result = search.run(lambda h, c, s: Outcome(FakeRun(c, s), torch.ones(50)))
     report = result.privacy_report()
     text = str(report)
-    for words in ("repeat and select", "Poisson with mean 3", "the best trial only",
-                  "N(0, 2**2)", "secret from the OS CSPRNG", "all trials"):  # fmt: skip
+    for words in ("repeat and select", "geometric (shape 1", "the best trial only",
+                  "N(0, 2**2)", "secret from the OS CSPRNG", "K whole trials"):  # fmt: skip
         assert words in text, words
-    assert report.epsilon == result.epsilon() < report.all_trials_epsilon or len(result.trials) < 2
+    assert report.epsilon == result.epsilon()
+    assert result.epsilon() < result.all_trials_epsilon() or len(result.trials) < 2
     assert "trials" not in repr(result)  # the repr shows nothing of K
     composed = dp_event.SelfComposedDpEvent(search.trial_event, len(result.trials))
     if result.trials:
@@ -426,7 +429,8 @@ def test_an_exception_is_accounted_and_the_trial_restarts_fresh():
 def test_a_search_resumes_from_its_checkpoint(tmp_path):
     path = tmp_path / "search.pt"
     space = {"lr": LogUniform(1e-3, 1.0)}
-    settings = dict(mean_trials=20, shape=1.0, score_noise_multiplier=3.0, checkpoint_path=path)
+    settings = dict(mean_trials=20, shape=1.0, score_noise_multiplier=3.0, checkpoint_path=path,
+                    seed=1)  # fmt: skip
     calls = []
 
     def crashing(hyperparameters, config, seed):
@@ -436,7 +440,7 @@ def test_a_search_resumes_from_its_checkpoint(tmp_path):
         return Outcome(FakeRun(config, seed), torch.rand(40))
 
     first = RandomSearch(space, CONFIG, N, **settings)
-    assert path.exists()
+    assert path.exists() and len(first._state["scores"]) >= 4  # this seed draws K >= 4
     with pytest.raises(ValueError, match="held by another live search"):
         RandomSearch(space, CONFIG, N, **settings)
     with pytest.raises(KeyboardInterrupt):
@@ -458,6 +462,18 @@ def test_a_search_resumes_from_its_checkpoint(tmp_path):
     assert result.epsilon() == library_epsilon(second.dp_event, 1e-5) > RandomSearch(
         space, CONFIG, N, **{**settings, "checkpoint_path": None}).epsilon()  # fmt: skip
     second.close()
+
+
+def test_a_resumed_secret_search_draws_a_fresh_secret(tmp_path):
+    """The fork rule: two continuations of one checkpoint never share score noise."""
+    path = tmp_path / "search.pt"
+    settings = dict(mean_trials=3, shape=1.0, score_noise_multiplier=3.0, checkpoint_path=path)
+    first = RandomSearch({}, CONFIG, N, **settings)
+    first.close()
+    with pytest.warns(UserWarning, match="resuming"):
+        second = RandomSearch({}, CONFIG, N, **settings)
+    assert second._score_noise(0, 1) != first._score_noise(0, 1)
+    assert second._state["hyperparameters"] == first._state["hyperparameters"]
 
 
 def test_a_checkpoint_needs_plain_hyperparameters(tmp_path):
@@ -510,3 +526,51 @@ def test_a_real_search_with_the_trainer():
     with pytest.raises(RuntimeError, match="seed was fixed"):
         tune.search(fixed_seed, {"lr": 0.1}, config, 200, mean_trials=2, shape=1.0,
                     score_noise_multiplier=2.0)  # fmt: skip
+
+
+# -- the audit ------------------------------------------------------------------------------
+
+
+def test_a_canary_audit_of_the_whole_search_stays_under_its_epsilon():
+    """500 gradient canaries, 10 searches (geometric K of mean 3, 2 full-batch steps a trial
+    at noise multiplier 3, a private score): the lower bound stays under the search's epsilon,
+    and the same audit of one run at an eighth of the noise (which a search refuses) exceeds it.
+    Public seeds throughout, so the test cannot flake."""
+    canary = dpfunc.audit.GradientCanary(500, examples=16, features=4, seed=0)
+    n, (x_val, y_val) = 16 + 500, canary._real  # the validation set: the real examples
+    config = dpfunc.DPConfig(clip_norm=1.0, expected_batch_size=n, epochs=2,
+                             noise_multiplier=3.0, delta=1e-5)  # fmt: skip
+    space = {"lr": LogUniform(0.5, 2.0)}
+    settings = dict(mean_trials=3, shape=1.0, score_noise_multiplier=5.0)
+    searches = iter(range(100))
+
+    def train(dataset, config, seed, lr=1.0):
+        trainer = dpfunc.Trainer(canary.loss_fn, dict(canary.params), dataset, config=config,
+                                 seed=seed, optimizer=dpfunc.optim.sgd(lr=lr), progress=False,
+                                 method="vmap")  # fmt: skip
+        trainer.fit()
+        return trainer
+
+    def searched(dataset):
+        def trial(hyperparameters, config, seed):
+            trainer = train(dataset, config, seed, hyperparameters["lr"])
+            correct = ((x_val @ trainer.params["weight"].T).argmax(1) == y_val).float()
+            return Outcome(trainer, correct, result=dict(trainer.params))
+
+        result = tune.search(trial, space, config, n, seed=next(searches), **settings)
+        if result.best is None:
+            return dict(canary.params)
+        start, lr = canary.params["weight"], result.best.hyperparameters["lr"]
+        return {"weight": start - (start - result.result["weight"]) / lr}  # in gradient units
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scores = dpfunc.audit.canary_scores(searched, canary, runs=10, keep_size=True)
+        claimed = RandomSearch(space, config, n, **settings).epsilon()
+        bound = dpfunc.audit.epsilon_lower_bound(*scores, delta=1e-5)
+        assert 0 < bound < claimed
+        weak = dataclasses.replace(config, noise_multiplier=3.0 / 8)
+        broken = dpfunc.audit.canary_scores(
+            lambda data: train(data, weak, next(searches)).params, canary, runs=10,
+            keep_size=True)  # fmt: skip
+        assert dpfunc.audit.epsilon_lower_bound(*broken, delta=1e-5) > claimed
