@@ -16,6 +16,7 @@ from . import (
     optim,
     report,
     schedules,
+    tune,
 )
 from .clipper import ExampleStats, summarize
 from .clipping import clip_factors, clipped_sum, groups_by_module, per_sample_norms, total_clip_norm
@@ -70,4 +71,5 @@ __all__ = [
     "standard_normal_like",
     "summarize",
     "total_clip_norm",
+    "tune",
 ]

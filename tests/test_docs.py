@@ -29,6 +29,7 @@ GUIDES = {
     "privacy-and-randomness.md",
     "sharded.md",
     "training.md",
+    "tuning.md",
     "writing-a-loss.md",
 }
 

@@ -249,8 +249,8 @@ STEP_DOORS = {"__call__", "logical_step", "logical_gradient"}
 STEP_METHODS = STEP_DOORS | {"init", "compile", "explain", "draw_noise", "full_params"}
 STEP_METHOD_MAX_LINES = 40
 # ceilings, not targets: a new public name is a decision, made here
-TOP_LEVEL_NAMES = 38  # dpfunc.__all__
-PUBLIC_NAMES = 247  # every public module's __all__ together, dpfunc's own included
+TOP_LEVEL_NAMES = 39  # dpfunc.__all__
+PUBLIC_NAMES = 259  # every public module's __all__ together, dpfunc's own included
 
 
 def test_the_train_step_has_two_doors_and_the_gradient_only_one():
