@@ -61,10 +61,11 @@ Head = Callable[[Tensor, Tensor], Tensor]  # (logits, labels) -> one loss per ex
 class PrivateTrainer(transformers.Trainer):
     """A ``transformers.Trainer`` that trains with DP-SGD (see the module docstring).
 
+    It takes the arguments of ``transformers.Trainer`` (``model``, ``args``,
+    ``train_dataset``, ``eval_dataset``, ``data_collator``,
+    ``processing_class``, ``callbacks``, ``optimizers``, ...) and these:
+
     Args:
-        *args, **kwargs: those of ``transformers.Trainer`` (``model``,
-            ``args``, ``train_dataset``, ``eval_dataset``, ``data_collator``,
-            ``processing_class``, ``callbacks``, ``optimizers``, ...).
         privacy: the privacy settings, a :class:`dpfunc.DPConfig`. Without
             ``epochs`` it plans ``args.num_train_epochs`` passes (or
             ``args.max_steps`` steps); with them, the ``TrainingArguments``
