@@ -155,6 +155,7 @@ def main() -> None:
             f"{r['process_s']:.1f} | {r['peak_mb']:.0f} | {r['peak_mb'] / base['peak_mb']:.2f}x |"
         )
     out = Path(options.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "hf_trainer.json").write_text(json.dumps(results, indent=2) + "\n")
     (out / "hf_trainer.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

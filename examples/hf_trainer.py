@@ -22,7 +22,7 @@ Output: a table on stdout; ``<out>/hf_trainer.json``; ``<out>/hf_trainer.png``
 (the loss curve, with matplotlib); each run's model with its
 ``privacy_report.json`` under ``<out>/lm`` and ``<out>/classifier``.
 
-    python examples/hf_trainer.py               # about 2 minutes on 2 CPU cores
+    python examples/hf_trainer.py               # about 4 minutes on 2 CPU cores
     python examples/hf_trainer.py --smoke       # seconds
 """
 
