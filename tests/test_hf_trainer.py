@@ -378,7 +378,8 @@ def run_for_ranks(out):
     trainer.train()
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     return {"params": trainable(trainer.model), "epsilon": trainer.private.epsilon(),
-            "steps": trainer.private.steps_done, "world": world}  # fmt: skip
+            "steps": trainer.private.steps_done, "world": world,
+            "wrapped": type(trainer.model_wrapped).__name__}  # fmt: skip
 
 
 @ranks.NEEDS_GLOO
@@ -387,6 +388,7 @@ def test_two_gloo_ranks_equal_one_process(tmp_path):
     alone = run_for_ranks(tmp_path / "alone")
     results = [ranks.load_rank(tmp_path, rank) for rank in range(2)]
     assert [r["world"] for r in results] == [2, 2]
+    assert [r["wrapped"] for r in results] == ["DistributedDataParallel"] * 2  # as HF runs it
     assert results[0]["steps"] == results[1]["steps"] == alone["steps"] == 3
     assert results[0]["epsilon"] == alone["epsilon"]
     for name, value in alone["params"].items():
