@@ -196,7 +196,7 @@ def test_the_hyperparameters_are_drawn_before_any_trial_and_from_the_seed_alone(
     good = first.run(honest(lambda h: h["lr"]))
     bad = second.run(honest(lambda h: -h["lr"]))  # other scores: the same draws
     assert [t.hyperparameters for t in good.trials] == [t.hyperparameters for t in bad.trials]
-    assert len(good.trials) >= 2 and good.best.index != bad.best.index
+    assert len(good.trials) >= 2 and good.best.hyperparameters != bad.best.hyperparameters
     assert all(t.hyperparameters["name"] == "mine" for t in good.trials)
     assert len({t.hyperparameters["lr"] for t in good.trials}) == len(good.trials)
     other = RandomSearch(space, CONFIG, N, mean_trials=6, score="public", seed=8).run(honest())
@@ -347,14 +347,28 @@ def test_nan_scores_rank_last_and_ties_go_to_the_earliest():
     search = RandomSearch({}, CONFIG, N, mean_trials=40, shape=1.0, score="public", seed=2)
     result = search.run(trial)
     assert len(result.trials) >= 6
-    assert result.best.index == 2 and result.result == "mine"
+    assert result.best == tune.Best(*result.trials[2][1:4]) and result.result == "mine"
     assert math.isnan(result.trials[0].score)
+
+
+def test_the_released_best_does_not_tell_where_it_stands_in_the_trial_list():
+    """The index of the best trial bounds K from below, which the theorem hides: the released
+    record holds the best trial's hyperparameters, score and steps, and no index or attempts."""
+    search = RandomSearch({"lr": LogUniform(0.01, 1.0)}, CONFIG, N, mean_trials=10, shape=1.0,
+                          score_noise_multiplier=2.0, seed=5)  # fmt: skip
+    result = search.run(lambda h, c, s: Outcome(FakeRun(c, s), torch.ones(50), result="net"))
+    assert len(result.trials) >= 2
+    assert type(result.best)._fields == ("hyperparameters", "score", "steps")
+    chosen = max(result.trials, key=lambda t: t.score)
+    assert result.best == (chosen.hyperparameters, chosen.score, chosen.steps)
+    text = str(result.privacy_report())
+    assert "not its index" in text and "the best trial's index" in text
 
 
 def test_all_nan_scores_release_the_first_trial():
     search = RandomSearch({}, CONFIG, N, mean_trials=5, shape=1.0, score="public", seed=4)
     result = search.run(honest(lambda h: float("nan")))
-    assert result.best.index == 0
+    assert result.best == tune.Best(*result.trials[0][1:4])
 
 
 def test_no_trial_releases_nothing():
