@@ -54,13 +54,19 @@ import dp_accounting
 import numpy as np
 import torch
 from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant as _rdp_module
 
 from ._checks import check_choice, check_int, check_number
 from .accounting import Accountant, _quiet_absl, participations
 from .checkpoint import _atomic_write
 from .config import DPConfig
 from .noise import check_seed, secret_seed, standard_normal_like
+
+try:  # the inversion of the mean that dp_accounting's RDP bound uses (a private function)
+    from dp_accounting.rdp.rdp_privacy_accountant import (
+        _gamma_truncated_negative_binomial as _library_gamma,
+    )
+except ImportError:  # pragma: no cover (exercised by a test that removes it)
+    _library_gamma = None
 
 __all__ = [
     "Best",
@@ -238,12 +244,41 @@ def _draw(space: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the trial count
 
 
-def _tnb_gamma(mean: float, shape: float) -> float:
-    """The halting probability ``gamma`` of the truncated negative binomial of ``mean``.
+_GAMMA_RTOL = 1e-9  # dp_accounting's tolerance on gamma
 
-    dp_accounting's own inversion, so that the draws follow the distribution it accounts.
+
+def _tnb_mean(gamma: float, shape: float) -> float:
+    """``E[K]`` of the truncated negative binomial of ``gamma`` and ``shape``."""
+    if gamma >= 1.0:
+        return 1.0
+    halt = 1.0 - gamma  # exact near 1, where the mean is near 1
+    if shape == 0:  # logarithmic
+        return halt / (gamma * -math.log1p(-halt))
+    return shape * halt / (gamma * -math.expm1(shape * math.log1p(-halt)))
+
+
+def _tnb_gamma(mean: float, shape: float) -> float:
+    """The halting probability ``gamma`` at which ``K`` is drawn (``0 <= shape < inf``).
+
+    dp_accounting inverts the mean by bisection and bounds the search with
+    the low end of its bracket, a ``gamma`` whose mean is up to 1e-9 above
+    ``mean``. ``K`` is drawn at the high end instead: a ``gamma`` at least
+    the library's, with a mean at most ``mean``, so both terms of the bound
+    (``log(1 / gamma)`` and ``log E[K]``) are at least the drawn
+    distribution's. Without the library's function, the same bisection here.
     """
-    return float(_rdp_module._gamma_truncated_negative_binomial(shape, mean))
+    if shape == 1:
+        return 1 / mean  # geometric: exact
+    if _library_gamma is not None:
+        gamma = float(_library_gamma(shape, mean))
+        while _tnb_mean(gamma, shape) > mean:
+            gamma = min(1.0, gamma * (1 + _GAMMA_RTOL))
+        return gamma
+    low, high = 0.0, min(1.0, 2 * (shape + 1) / mean)  # the library's bracket
+    while high > low * (1 + _GAMMA_RTOL):
+        middle = (low + high) / 2
+        low, high = (low, middle) if _tnb_mean(middle, shape) < mean else (middle, high)
+    return high
 
 
 def _log_tnb_pmf(k: int, gamma: float, shape: float) -> float:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import stats
 from torch import nn
 from torch.func import functional_call
@@ -119,11 +120,17 @@ def test_a_given_noise_multiplier_is_each_trials():
 # -- the trial count ------------------------------------------------------------------------
 
 
+def library_gamma(mean, shape):
+    """The halting probability that dp_accounting's RDP bound uses for ``mean``."""
+    return rdp_privacy_accountant._gamma_truncated_negative_binomial(shape, mean)
+
+
 def scipy_pmf(k, mean, shape):
-    """P[K = k] from scipy's distributions (the truncated ones renormalised), not dpfunc's."""
+    """P[K = k] of the accounted distribution, from scipy's distributions (the truncated ones
+    renormalised) at dp_accounting's gamma, not dpfunc's."""
     if shape == math.inf:
         return stats.poisson.pmf(k, mean)
-    gamma = tune._tnb_gamma(mean, shape)
+    gamma = library_gamma(mean, shape)
     if shape == 0:
         return stats.logser.pmf(k, 1 - gamma)
     if k == 0:
@@ -157,9 +164,39 @@ def test_the_trial_count_follows_its_distribution(mean, shape):
     assert abs(np.mean(counts) - mean) < 5 * np.std(counts) / len(counts) ** 0.5
     assert all(
         math.isclose(tune.trial_count_pmf(k, mean, shape), scipy_pmf(k, mean, shape),
-                     rel_tol=1e-9, abs_tol=1e-15)
+                     rel_tol=1e-7, abs_tol=1e-15)
         for k in range(12)
     )  # fmt: skip
+
+
+MEANS_AND_SHAPES = [(m, s) for m in (1.0, 1.0001, 3.0, 8.0, 10_000.0) for s in (0.0, 0.5, 1.0, 4.0)]
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_the_drawn_count_is_never_more_than_the_accounted_one(fallback, monkeypatch):
+    """K is drawn at a gamma at least dp_accounting's, whose mean is at most the given one:
+    log(1 / gamma) and log E[K] in the bound are then at least the drawn distribution's. The
+    library's inversion returns a gamma whose mean is up to 1e-9 above; the fallback (without
+    the library's private function) keeps the same rule."""
+    if fallback:
+        monkeypatch.setattr(tune, "_library_gamma", None)
+    for mean, shape in MEANS_AND_SHAPES:
+        gamma = tune._tnb_gamma(mean, shape)
+        accounted = library_gamma(mean, shape)
+        assert accounted <= gamma <= accounted * (1 + 3e-9), (mean, shape)
+        assert rdp_privacy_accountant._truncated_negative_binomial_mean(gamma, shape) <= mean
+
+
+@pytest.mark.parametrize("mean, shape", [(4.0, 0.0), (4.0, 0.5), (2.5, 3.0)])
+def test_the_fallback_draws_follow_the_accounted_distribution(mean, shape, monkeypatch):
+    """Without dp_accounting's private inversion the count is drawn from the same pmf."""
+    monkeypatch.setattr(tune, "_library_gamma", None)
+    rng = np.random.default_rng(12)
+    counts = [tune._draw_count(rng, mean, shape) for _ in range(3000)]
+    assert chi_square_pvalue(counts, mean, shape) > 1e-3
+    assert abs(np.mean(counts) - mean) < 5 * np.std(counts) / len(counts) ** 0.5
+    wrong = [tune._draw_count(rng, mean * 1.3, shape) for _ in range(3000)]  # the test can fail
+    assert chi_square_pvalue(wrong, mean, shape) < 1e-6
 
 
 def test_the_chi_square_test_rejects_a_wrong_distribution():
