@@ -56,6 +56,7 @@ import torch
 from dp_accounting import dp_event
 
 from ._checks import check_choice, check_int, check_number
+from . import accounting
 from .accounting import Accountant, _quiet_absl, participations
 from .checkpoint import _atomic_write
 from .config import DPConfig
@@ -92,8 +93,6 @@ SCORES = ("private", "public")
 TRIAL_CONFIG_FIELDS = ("clip_norm", "clipping")
 """DPConfig fields a space may vary: they leave the trial's accounting event unchanged."""
 
-_SIGMA_RANGE = (1e-3, 1e6)  # calibration searches the noise multiplier in this range
-_CALIBRATION_RTOL = 1e-3  # ... until its bracket has hi / lo <= 1 + this
 _CHECKPOINT_FORMAT = "dpfunc.tune/1"
 
 
@@ -112,8 +111,8 @@ class Uniform:
     high: float
 
     def __post_init__(self) -> None:
-        check_number("low", self.low)
-        check_number("high", self.high, low=self.low, low_open=True)
+        check_number("low", self.low, low_open=True, high_open=True)
+        check_number("high", self.high, low=self.low, low_open=True, high_open=True)
 
     def sample(self, rng: np.random.Generator) -> float:
         """One draw from ``rng``."""
@@ -132,8 +131,8 @@ class LogUniform:
     high: float
 
     def __post_init__(self) -> None:
-        check_number("low", self.low, low=0, low_open=True)
-        check_number("high", self.high, low=self.low, low_open=True)
+        check_number("low", self.low, low=0, low_open=True, high_open=True)
+        check_number("high", self.high, low=self.low, low_open=True, high_open=True)
 
     def sample(self, rng: np.random.Generator) -> float:
         """One draw from ``rng``."""
@@ -153,7 +152,8 @@ class IntUniform:
 
     def __post_init__(self) -> None:
         check_int("low", self.low, minimum=-(2**62))
-        check_int("high", self.high, minimum=self.low)
+        if check_int("high", self.high, minimum=self.low) > 2**62:
+            raise ValueError(f"high must be an int <= 2**62, got high={self.high!r}")
 
     def sample(self, rng: np.random.Generator) -> int:
         """One draw from ``rng``."""
@@ -171,7 +171,7 @@ class Choice:
     options: tuple
 
     def __post_init__(self) -> None:
-        if isinstance(self.options, str | bytes) or not hasattr(self.options, "__len__"):
+        if not isinstance(self.options, list | tuple | range):  # ordered: the same draws
             raise TypeError(f"options must be a list or tuple, got options={self.options!r}")
         if len(self.options) == 0:
             raise ValueError(f"options must hold at least one value, got options={self.options!r}")
@@ -380,27 +380,27 @@ def _rdp_epsilon(event: Any, delta: float) -> float:
 
 
 def _calibrate(epsilon_of: Callable[[float], float], target: float, floor_note: str) -> float:
-    """The smallest noise multiplier (within 0.1%) whose search epsilon is at most ``target``."""
-    lo, hi = _SIGMA_RANGE
-    best = epsilon_of(hi)
-    if best > target:
-        raise ValueError(
-            f"target_epsilon={target!r} cannot be met: even with noise_multiplier={hi:g} on "
-            f"every trial the search costs epsilon={best:.4g} ({floor_note}); raise "
-            "target_epsilon or lower mean_trials"
+    """The smallest noise multiplier (within 0.1%) whose search epsilon is at most ``target``.
+
+    The bracket and the shrinking of :func:`dpfunc.accounting.calibrate_noise_multiplier`,
+    which keep ``epsilon_of(returned) <= target`` (epsilon falls as the noise grows).
+    """
+
+    def out_of_range() -> ValueError:
+        floor = epsilon_of(accounting._SIGMA_MAX)
+        if floor <= target:  # met below the smallest noise multiplier searched
+            return ValueError(
+                f"target_epsilon={target!r} needs a noise multiplier below "
+                f"{accounting._SIGMA_MIN:g}; lower target_epsilon or give noise_multiplier"
+            )
+        return ValueError(
+            f"target_epsilon={target!r} cannot be met: even with "
+            f"noise_multiplier={accounting._SIGMA_MAX:g} on every trial the search costs "
+            f"epsilon={floor:.4g} ({floor_note}); raise target_epsilon or lower mean_trials"
         )
-    hi = 1.0  # bracket from 1 by factors of 4, then bisect: epsilon falls as the noise grows
-    while hi < _SIGMA_RANGE[1] and epsilon_of(hi) > target:
-        hi *= 4.0
-    lo = hi / 4.0
-    while lo > _SIGMA_RANGE[0] and epsilon_of(lo) <= target:
-        lo, hi = lo / 4.0, lo
-    if lo <= _SIGMA_RANGE[0]:
-        return hi
-    while hi / lo > 1 + _CALIBRATION_RTOL:
-        middle = math.sqrt(lo * hi)
-        lo, hi = (lo, middle) if epsilon_of(middle) <= target else (middle, hi)
-    return hi
+
+    bracket = accounting._bracket(epsilon_of, target, 1.0, 2.0, out_of_range)
+    return accounting._shrink(epsilon_of, target, bracket, accounting._CALIBRATION_RTOL)[0]
 
 
 # --------------------------------------------------------------------------- what trials return

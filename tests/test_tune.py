@@ -223,6 +223,25 @@ def test_bad_settings_are_refused(kwargs, match):
         RandomSearch({}, CONFIG, N, **kwargs)
 
 
+def test_bad_distributions_are_refused():
+    """Infinite bounds, unordered options (a set draws in another order in another process:
+    neither reproducible nor resumable) and integers beyond numpy's range fail when built."""
+    for build, error, match in [
+        (lambda: tune.Uniform(0.0, math.inf), ValueError, "high must be a finite number"),
+        (lambda: tune.Uniform(-math.inf, 0.0), ValueError, "low must be a finite number"),
+        (lambda: tune.LogUniform(1e-3, math.inf), ValueError, "high=inf"),
+        (lambda: tune.LogUniform(0.0, 1.0), ValueError, "low=0.0"),
+        (lambda: tune.IntUniform(0, 2**70), ValueError, "high must be an int <= 2\\*\\*62"),
+        (lambda: tune.IntUniform(2, 1), ValueError, "high must be an int >= 2"),
+        (lambda: Choice({"sgd", "adam"}), TypeError, "options must be a list or tuple"),
+        (lambda: Choice({"sgd": 1}), TypeError, "options must be a list or tuple"),
+        (lambda: Choice("sgd"), TypeError, "options must be a list or tuple"),
+        (lambda: Choice([]), ValueError, "at least one value"),
+    ]:
+        with pytest.raises(error, match=match):
+            build()
+
+
 # -- honest by construction -----------------------------------------------------------------
 
 
