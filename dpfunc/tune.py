@@ -58,7 +58,7 @@ from dp_accounting import dp_event
 from ._checks import check_choice, check_int, check_number
 from . import accounting
 from .accounting import Accountant, _quiet_absl, participations
-from .checkpoint import _atomic_write
+from .checkpoint import _atomic_write, _lock, release_all
 from .config import DPConfig
 from .noise import check_seed, secret_seed, standard_normal_like
 
@@ -542,8 +542,6 @@ class RandomSearch:
         self._state = self._fresh_state()
         self._running = False
         self._result: SearchResult | None = None
-        self._seen_seeds: set[bytes] = set()
-        self._lock = None
         self.checkpoint_path = checkpoint_path
         if checkpoint_path is not None:
             self._open_checkpoint(checkpoint_path)
@@ -640,6 +638,7 @@ class RandomSearch:
             "best": None,  # {"index": i, "result": ...}
             "validation_size": None,
             "void": None,  # why the search may release nothing (a trial overspent)
+            "seeds": [],  # SHA-256 of each completed run's seed: no two trials share one
         }
 
     def _hyperparameters(self, index: int, attempt: int) -> dict[str, Any]:
@@ -752,9 +751,9 @@ class RandomSearch:
         elif not self.seed_is_secret and run.seed != seed:
             why = "its seed was not the one the trial was given"
         else:
-            mark = hashlib.sha256(str(run.seed).encode()).digest()
-            why = "its seed was another trial's" if mark in self._seen_seeds else None
-            self._seen_seeds.add(mark)
+            mark = hashlib.sha256(str(run.seed).encode()).hexdigest()
+            why = "its seed was another trial's" if mark in self._state["seeds"] else None
+            self._state["seeds"].append(mark)
         if why is not None:
             self._state["void"] = f"trial {index}: {why}"
             self._save()
@@ -833,7 +832,15 @@ class RandomSearch:
     def _open_checkpoint(self, path: Any) -> None:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"checkpoint_path must be a str or path, got checkpoint_path={path!r}")
-        self._lock = _hold(path)
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"checkpoint_path={os.fspath(path)!r} is in a missing directory")
+        try:
+            _lock(self, path)  # one live search per path, held while this object lives
+        except ValueError as error:
+            raise ValueError(
+                f"checkpoint_path={os.fspath(path)!r} is held by another live search; close() "
+                "it or give this search another path"
+            ) from error
         if not os.path.exists(path):
             _check_plain(self._state["hyperparameters"], "the drawn hyperparameters")
             self._save()
@@ -886,9 +893,7 @@ class RandomSearch:
 
     def close(self) -> None:
         """Lets go of the checkpoint path, so that another search object may resume from it."""
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        release_all(self)
 
     def __repr__(self) -> str:  # never K, a hyperparameter draw or the secret
         return (
@@ -945,27 +950,6 @@ def _check_plain(value: Any, what: str) -> None:
             "weights_only=True): numbers, strings, None, lists, dicts and tensors; got "
             f"{value!r} of type {type(value).__name__}"
         )
-
-
-def _hold(path: Any):
-    """An exclusive lock beside ``path``, held while the search object lives (one live search)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        return None
-    folder, name = os.path.split(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"checkpoint_path={os.fspath(path)!r} is in a missing directory")
-    handle = open(os.path.join(folder, f".{name}.lock"), "a+b")  # noqa: SIM115 (held)
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        handle.close()
-        raise ValueError(
-            f"checkpoint_path={os.fspath(path)!r} is held by another live search; close() it "
-            "or give this search another path"
-        ) from error
-    return handle
 
 
 # --------------------------------------------------------------------------- the result

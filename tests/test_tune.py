@@ -366,6 +366,38 @@ def test_two_trials_sharing_a_seed_are_refused():
         search.run(trial)
 
 
+def test_a_seed_reused_across_a_resume_is_refused(tmp_path):
+    """A trial that resumes an earlier trial's run (its seed adopted) is caught after the
+    search itself was resumed in another process too: the seeds' hashes are checkpointed."""
+    path = tmp_path / "search.pt"
+    settings = dict(mean_trials=50, score="public", checkpoint_path=path)  # Poisson: K >= 3
+    runs = []
+
+    def first(hyperparameters, config, seed):
+        if runs:
+            raise KeyboardInterrupt  # in trial 1
+        runs.append(FakeRun(config, seed))
+        return Outcome(runs[-1], 0.0)
+
+    search = RandomSearch({}, CONFIG, N, **settings)
+    with pytest.raises(KeyboardInterrupt):
+        search.run(first)
+    search.close()
+    with pytest.warns(UserWarning, match="resuming"):
+        resumed = RandomSearch({}, CONFIG, N, **settings)
+
+    def reusing(hyperparameters, config, seed):
+        run = FakeRun(config, seed)  # a secret seed, as a Trainer that adopted one has
+        if not runs[1:]:
+            run.seed = runs[0].seed  # trial 0's run, continued, once
+        runs.append(run)
+        return Outcome(run, 0.0)
+
+    with pytest.raises(RuntimeError, match="another trial's"):
+        resumed.run(reusing)
+    resumed.close()
+
+
 def test_malformed_outcomes_are_refused():
     search = RandomSearch({}, CONFIG, N, mean_trials=2, shape=1.0, score_noise_multiplier=1.0)
     with pytest.raises(TypeError, match="returns dpfunc.tune.Outcome"):
