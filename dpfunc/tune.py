@@ -55,8 +55,8 @@ import numpy as np
 import torch
 from dp_accounting import dp_event
 
-from ._checks import check_choice, check_int, check_number
 from . import accounting
+from ._checks import check_choice, check_int, check_number
 from .accounting import Accountant, _quiet_absl, participations
 from .checkpoint import _atomic_write, _lock, release_all
 from .config import DPConfig
