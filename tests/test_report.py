@@ -65,7 +65,7 @@ def test_the_report_as_data_and_as_text(tiny):
     for item in NOT_COVERED:
         assert item in text and item in report.not_covered
     for words in ("non-private diagnostics", "hyperparameter search", "checkpoint's secret",
-                  "evaluation on private data"):  # fmt: skip
+                  "evaluation on private data", "dpfunc.tune has its own epsilon"):  # fmt: skip
         assert words in text, words
     # a fixed seed and torch's generator: both said, with what they void
     assert not report.seed_is_secret and "FIXED" in text and "does NOT hold" in text

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dp_accounting import dp_event
+from dp_accounting.rdp import rdp_privacy_accountant
 from scipy import stats
 from torch import nn
 from torch.func import functional_call
@@ -119,11 +120,17 @@ def test_a_given_noise_multiplier_is_each_trials():
 # -- the trial count ------------------------------------------------------------------------
 
 
+def library_gamma(mean, shape):
+    """The halting probability that dp_accounting's RDP bound uses for ``mean``."""
+    return rdp_privacy_accountant._gamma_truncated_negative_binomial(shape, mean)
+
+
 def scipy_pmf(k, mean, shape):
-    """P[K = k] from scipy's distributions (the truncated ones renormalised), not dpfunc's."""
+    """P[K = k] of the accounted distribution, from scipy's distributions (the truncated ones
+    renormalised) at dp_accounting's gamma, not dpfunc's."""
     if shape == math.inf:
         return stats.poisson.pmf(k, mean)
-    gamma = tune._tnb_gamma(mean, shape)
+    gamma = library_gamma(mean, shape)
     if shape == 0:
         return stats.logser.pmf(k, 1 - gamma)
     if k == 0:
@@ -157,9 +164,39 @@ def test_the_trial_count_follows_its_distribution(mean, shape):
     assert abs(np.mean(counts) - mean) < 5 * np.std(counts) / len(counts) ** 0.5
     assert all(
         math.isclose(tune.trial_count_pmf(k, mean, shape), scipy_pmf(k, mean, shape),
-                     rel_tol=1e-9, abs_tol=1e-15)
+                     rel_tol=1e-7, abs_tol=1e-15)
         for k in range(12)
     )  # fmt: skip
+
+
+MEANS_AND_SHAPES = [(m, s) for m in (1.0, 1.0001, 3.0, 8.0, 10_000.0) for s in (0.0, 0.5, 1.0, 4.0)]
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_the_drawn_count_is_never_more_than_the_accounted_one(fallback, monkeypatch):
+    """K is drawn at a gamma at least dp_accounting's, whose mean is at most the given one:
+    log(1 / gamma) and log E[K] in the bound are then at least the drawn distribution's. The
+    library's inversion returns a gamma whose mean is up to 1e-9 above; the fallback (without
+    the library's private function) keeps the same rule."""
+    if fallback:
+        monkeypatch.setattr(tune, "_library_gamma", None)
+    for mean, shape in MEANS_AND_SHAPES:
+        gamma = tune._tnb_gamma(mean, shape)
+        accounted = library_gamma(mean, shape)
+        assert accounted <= gamma <= accounted * (1 + 3e-9), (mean, shape)
+        assert rdp_privacy_accountant._truncated_negative_binomial_mean(gamma, shape) <= mean
+
+
+@pytest.mark.parametrize("mean, shape", [(4.0, 0.0), (4.0, 0.5), (2.5, 3.0)])
+def test_the_fallback_draws_follow_the_accounted_distribution(mean, shape, monkeypatch):
+    """Without dp_accounting's private inversion the count is drawn from the same pmf."""
+    monkeypatch.setattr(tune, "_library_gamma", None)
+    rng = np.random.default_rng(12)
+    counts = [tune._draw_count(rng, mean, shape) for _ in range(3000)]
+    assert chi_square_pvalue(counts, mean, shape) > 1e-3
+    assert abs(np.mean(counts) - mean) < 5 * np.std(counts) / len(counts) ** 0.5
+    wrong = [tune._draw_count(rng, mean * 1.3, shape) for _ in range(3000)]  # the test can fail
+    assert chi_square_pvalue(wrong, mean, shape) < 1e-6
 
 
 def test_the_chi_square_test_rejects_a_wrong_distribution():
@@ -186,6 +223,25 @@ def test_bad_settings_are_refused(kwargs, match):
         RandomSearch({}, CONFIG, N, **kwargs)
 
 
+def test_bad_distributions_are_refused():
+    """Infinite bounds, unordered options (a set draws in another order in another process:
+    neither reproducible nor resumable) and integers beyond numpy's range fail when built."""
+    for build, error, match in [
+        (lambda: tune.Uniform(0.0, math.inf), ValueError, "high must be a finite number"),
+        (lambda: tune.Uniform(-math.inf, 0.0), ValueError, "low must be a finite number"),
+        (lambda: tune.LogUniform(1e-3, math.inf), ValueError, "high=inf"),
+        (lambda: tune.LogUniform(0.0, 1.0), ValueError, "low=0.0"),
+        (lambda: tune.IntUniform(0, 2**70), ValueError, "high must be an int <= 2\\*\\*62"),
+        (lambda: tune.IntUniform(2, 1), ValueError, "high must be an int >= 2"),
+        (lambda: Choice({"sgd", "adam"}), TypeError, "options must be a list or tuple"),
+        (lambda: Choice({"sgd": 1}), TypeError, "options must be a list or tuple"),
+        (lambda: Choice("sgd"), TypeError, "options must be a list or tuple"),
+        (lambda: Choice([]), ValueError, "at least one value"),
+    ]:
+        with pytest.raises(error, match=match):
+            build()
+
+
 # -- honest by construction -----------------------------------------------------------------
 
 
@@ -196,7 +252,7 @@ def test_the_hyperparameters_are_drawn_before_any_trial_and_from_the_seed_alone(
     good = first.run(honest(lambda h: h["lr"]))
     bad = second.run(honest(lambda h: -h["lr"]))  # other scores: the same draws
     assert [t.hyperparameters for t in good.trials] == [t.hyperparameters for t in bad.trials]
-    assert len(good.trials) >= 2 and good.best.index != bad.best.index
+    assert len(good.trials) >= 2 and good.best.hyperparameters != bad.best.hyperparameters
     assert all(t.hyperparameters["name"] == "mine" for t in good.trials)
     assert len({t.hyperparameters["lr"] for t in good.trials}) == len(good.trials)
     other = RandomSearch(space, CONFIG, N, mean_trials=6, score="public", seed=8).run(honest())
@@ -310,6 +366,38 @@ def test_two_trials_sharing_a_seed_are_refused():
         search.run(trial)
 
 
+def test_a_seed_reused_across_a_resume_is_refused(tmp_path):
+    """A trial that resumes an earlier trial's run (its seed adopted) is caught after the
+    search itself was resumed in another process too: the seeds' hashes are checkpointed."""
+    path = tmp_path / "search.pt"
+    settings = dict(mean_trials=50, score="public", checkpoint_path=path)  # Poisson: K >= 3
+    runs = []
+
+    def first(hyperparameters, config, seed):
+        if runs:
+            raise KeyboardInterrupt  # in trial 1
+        runs.append(FakeRun(config, seed))
+        return Outcome(runs[-1], 0.0)
+
+    search = RandomSearch({}, CONFIG, N, **settings)
+    with pytest.raises(KeyboardInterrupt):
+        search.run(first)
+    search.close()
+    with pytest.warns(UserWarning, match="resuming"):
+        resumed = RandomSearch({}, CONFIG, N, **settings)
+
+    def reusing(hyperparameters, config, seed):
+        run = FakeRun(config, seed)  # a secret seed, as a Trainer that adopted one has
+        if not runs[1:]:
+            run.seed = runs[0].seed  # trial 0's run, continued, once
+        runs.append(run)
+        return Outcome(run, 0.0)
+
+    with pytest.raises(RuntimeError, match="another trial's"):
+        resumed.run(reusing)
+    resumed.close()
+
+
 def test_malformed_outcomes_are_refused():
     search = RandomSearch({}, CONFIG, N, mean_trials=2, shape=1.0, score_noise_multiplier=1.0)
     with pytest.raises(TypeError, match="returns dpfunc.tune.Outcome"):
@@ -347,14 +435,28 @@ def test_nan_scores_rank_last_and_ties_go_to_the_earliest():
     search = RandomSearch({}, CONFIG, N, mean_trials=40, shape=1.0, score="public", seed=2)
     result = search.run(trial)
     assert len(result.trials) >= 6
-    assert result.best.index == 2 and result.result == "mine"
+    assert result.best == tune.Best(*result.trials[2][1:4]) and result.result == "mine"
     assert math.isnan(result.trials[0].score)
+
+
+def test_the_released_best_does_not_tell_where_it_stands_in_the_trial_list():
+    """The index of the best trial bounds K from below, which the theorem hides: the released
+    record holds the best trial's hyperparameters, score and steps, and no index or attempts."""
+    search = RandomSearch({"lr": LogUniform(0.01, 1.0)}, CONFIG, N, mean_trials=10, shape=1.0,
+                          score_noise_multiplier=2.0, seed=5)  # fmt: skip
+    result = search.run(lambda h, c, s: Outcome(FakeRun(c, s), torch.ones(50), result="net"))
+    assert len(result.trials) >= 2
+    assert type(result.best)._fields == ("hyperparameters", "score", "steps")
+    chosen = max(result.trials, key=lambda t: t.score)
+    assert result.best == (chosen.hyperparameters, chosen.score, chosen.steps)
+    text = str(result.privacy_report())
+    assert "not its index" in text and "the best trial's index" in text
 
 
 def test_all_nan_scores_release_the_first_trial():
     search = RandomSearch({}, CONFIG, N, mean_trials=5, shape=1.0, score="public", seed=4)
     result = search.run(honest(lambda h: float("nan")))
-    assert result.best.index == 0
+    assert result.best == tune.Best(*result.trials[0][1:4])
 
 
 def test_no_trial_releases_nothing():
