@@ -39,15 +39,16 @@ private learning with adaptive clipping") moves the clip norm towards a
 target quantile of the per-example norms: each step counts the examples the
 clip left unscaled (:func:`unclipped_count`, sensitivity 1), releases that
 count with Gaussian noise, and updates the norm geometrically
-(:func:`adaptive_clip_norm`). As a mechanism with state (:class:`ClipMechanism`,
-from :func:`adaptive_clipping` or :func:`fixed_clipping`) the clip norm lives
-in the train state (``TrainState.clip_state``).
+(:func:`adaptive_clip_norm`). As a mechanism with state (:data:`ClipMechanism`,
+from :func:`adaptive_clipping` or :func:`fixed_clipping`; an ``(init, update)``
+pair like an optimizer, whose input is the :class:`UnclippedCount`) the clip
+norm lives in the train state (``TrainState.clip_state``).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import optree
@@ -55,6 +56,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_int, check_number
+from .optim import GradientTransformation
 from .tree import Params, PyTree, tree_leaves, tree_map
 
 Groups = Mapping[str, Sequence[str]]
@@ -729,21 +731,32 @@ class ClipState(NamedTuple):
         return f"ClipState(clip_norm={self.clip_norm!r})"
 
 
-class ClipMechanism(NamedTuple):
-    """The clip norm of each step, as two pure functions (the style of :mod:`dpfunc.optim`).
+class UnclippedCount(NamedTuple):
+    """What a step gives adaptive clipping about its logical batch: the count and its draw.
 
-    ``init() -> ClipState``: the state before the first step.
-    ``update(count, count_noise, state) -> ClipState``: the state after a
-    step whose logical batch had ``count`` unclipped examples
-    (:func:`unclipped_count`, a float64 0-d tensor) and whose count stream
-    drew the standard normal ``count_noise`` (0-d); both are ``None`` when
-    the mechanism releases no count (:func:`fixed_clipping`). Made by
-    :func:`fixed_clipping` and :func:`adaptive_clipping`;
-    :meth:`dpfunc.DPConfig.clip_mechanism` picks the one a config releases.
+    The input of a clip mechanism's ``update``, as the gradient is an
+    optimizer's. ``count`` is :func:`unclipped_count` of the whole logical
+    batch (sensitivity 1); ``noise`` is the standard normal the step drew
+    for it from its own stream (``StepNoise.count``); the mechanism releases
+    ``count + count_noise_multiplier * noise``. A step with a fixed clip norm
+    gives ``None`` instead: it counts nothing and releases nothing.
     """
 
-    init: Callable[[], ClipState]
-    update: Callable[[Tensor | None, Tensor | None, ClipState], ClipState]
+    count: Tensor  # shape (), float64: the examples the clip left unscaled
+    noise: Tensor  # shape (), float64: the count's standard-normal draw
+
+
+#: The clip norm of each step: a :class:`dpfunc.optim.GradientTransformation`, the
+#: protocol of the optimizers and of the noise mechanisms
+#: (:data:`dpfunc.noise.NoiseMechanism`). ``init(params) -> ClipState`` is the state
+#: before the first step (``params`` are not read). ``update(count, state, params=None)
+#: -> (clip_norm, state)`` takes what the step releases about its logical batch, an
+#: :class:`UnclippedCount` (``None`` where the mechanism reads none,
+#: :func:`fixed_clipping`), and returns the clip norm of the next step (0-d float64,
+#: ``state.clip_norm`` of the state it returns) and that state. Made by
+#: :func:`fixed_clipping` and :func:`adaptive_clipping`;
+#: :meth:`dpfunc.DPConfig.clip_mechanism` picks the one a config releases.
+ClipMechanism = GradientTransformation
 
 
 def fixed_clipping(clip_norm: float) -> ClipMechanism:
@@ -753,19 +766,22 @@ def fixed_clipping(clip_norm: float) -> ClipMechanism:
         ValueError: ``clip_norm`` is not > 0 (``inf`` disables clipping).
 
     >>> mechanism = fixed_clipping(1.5)
-    >>> state = mechanism.init()
+    >>> state = mechanism.init({"w": torch.zeros(3)})
     >>> state
     ClipState(clip_norm=tensor(1.5000, dtype=torch.float64))
-    >>> mechanism.update(None, None, state) is state
-    True
+    >>> clip_norm, after = mechanism.update(None, state)
+    >>> after is state, clip_norm
+    (True, tensor(1.5000, dtype=torch.float64))
     """
     clip_norm = _check_clip_norm(clip_norm)
 
-    def init() -> ClipState:
+    def init(params: PyTree) -> ClipState:
         return ClipState(torch.tensor([clip_norm], dtype=F64))
 
-    def update(count: Tensor | None, count_noise: Tensor | None, state: ClipState) -> ClipState:
-        return state
+    def update(
+        count: UnclippedCount | None, state: ClipState, params: PyTree = None
+    ) -> tuple[Tensor, ClipState]:
+        return state.clip_norm, state
 
     return ClipMechanism(init, update)
 
@@ -779,11 +795,14 @@ def adaptive_clipping(
 ) -> ClipMechanism:
     """Adaptive clipping (Andrew et al. 2021) as a mechanism: the noisy count moves the norm.
 
-    ``init()`` starts at ``clip_norm``. ``update(count, count_noise,
-    state)`` releases ``noisy_count = count + count_noise_multiplier *
-    count_noise`` (the Gaussian mechanism on a statistic of sensitivity 1,
-    noise multiplier ``count_noise_multiplier``) and returns the state with
-    :func:`adaptive_clip_norm` of it. Pure; compiles with ``fullgraph=True``.
+    A :data:`ClipMechanism`. ``init(params)`` starts at ``clip_norm``
+    (``params`` are not read). ``update(count, state, params=None)``, with
+    ``count`` an :class:`UnclippedCount`, releases ``noisy_count =
+    count.count + count_noise_multiplier * count.noise`` (the Gaussian
+    mechanism on a statistic of sensitivity 1, noise multiplier
+    ``count_noise_multiplier``) and returns :func:`adaptive_clip_norm` of it,
+    the next step's clip norm, with the state that holds it. Pure; compiles
+    with ``fullgraph=True``.
 
     Args:
         clip_norm: the starting ``C``, finite and > 0.
@@ -793,12 +812,14 @@ def adaptive_clipping(
         count_noise_multiplier: the std of the count's noise, > 0.
 
     Raises:
-        ValueError: a setting is out of range (named with its value).
+        ValueError: a setting is out of range (named with its value); from
+            ``update``, a ``count`` of ``None``.
 
     >>> mechanism = adaptive_clipping(1.0, 10.0, 0.5, 0.2, 1.0)
-    >>> mechanism.update(torch.tensor(5.0, dtype=torch.float64), torch.tensor(0.0,
-    ...     dtype=torch.float64), mechanism.init())
-    ClipState(clip_norm=tensor(1., dtype=torch.float64))
+    >>> count = UnclippedCount(torch.tensor(5.0, dtype=torch.float64),
+    ...                        torch.tensor(0.0, dtype=torch.float64))
+    >>> mechanism.update(count, mechanism.init({"w": torch.zeros(3)}))
+    (tensor(1., dtype=torch.float64), ClipState(clip_norm=tensor(1., dtype=torch.float64)))
     """
     start = check_number("clip_norm", clip_norm, low=0, low_open=True, high_open=True,
                          note="(adaptive clipping starts from a finite norm)")  # fmt: skip
@@ -808,20 +829,24 @@ def adaptive_clipping(
     check_number("count_noise_multiplier", count_noise_multiplier, low=0, low_open=True,
                  high_open=True)  # fmt: skip
 
-    def init() -> ClipState:
+    def init(params: PyTree) -> ClipState:
         return ClipState(torch.tensor([start], dtype=F64))
 
-    def update(count: Tensor | None, count_noise: Tensor | None, state: ClipState) -> ClipState:
-        if count is None or count_noise is None:
+    def update(
+        count: UnclippedCount | None, state: ClipState, params: PyTree = None
+    ) -> tuple[Tensor, ClipState]:
+        if count is None or count.count is None or count.noise is None:
             raise ValueError(
                 "adaptive clipping releases the unclipped count with its own noise: pass "
-                "count (dpfunc.clipping.unclipped_count of the logical batch's norms) and "
-                f"count_noise (a standard normal); got count={count!r}, count_noise={count_noise!r}"
+                "UnclippedCount(count, noise), count the logical batch's "
+                "dpfunc.clipping.unclipped_count and noise a standard normal; "
+                f"got count={count!r}"
             )
-        noisy_count = count + count_noise_multiplier * count_noise
+        noisy_count = count.count + count_noise_multiplier * count.noise
         moved = adaptive_clip_norm(
             state.clip_norm, noisy_count, expected_batch_size, target_quantile, learning_rate
         )
-        return ClipState(moved.view(1))
+        state = ClipState(moved.view(1))
+        return state.clip_norm, state
 
     return ClipMechanism(init, update)

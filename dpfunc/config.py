@@ -248,23 +248,28 @@ class DPConfig:
         return float(self.noise_multiplier)
 
     def noise_mechanism(self) -> NoiseMechanism:
-        """The noise the step adds, as an ``(init, update)`` mechanism.
+        """The noise the step adds, as an ``(init, update)`` pair: the optimizers' protocol.
 
         :func:`dpfunc.noise.independent_noise` with ``bands = 1``;
         :func:`dpfunc.matrix_factorization.banded_noise` of
-        :attr:`coefficients` with ``bands > 1``. Its state is
-        ``TrainState.noise_state``.
+        :attr:`coefficients` with ``bands > 1``. ``init(params)`` gives the
+        state, ``TrainState.noise_state``; ``update(z, state, params=None) ->
+        (w, state)`` turns the step's standard-normal draw into the noise it
+        adds (times :attr:`noise_std`).
         """
         if self.bands == 1:
             return independent_noise()
         return banded_noise(self.coefficients)
 
     def clip_mechanism(self) -> ClipMechanism:
-        """The clip norm of each step, as an ``(init, update)`` mechanism.
+        """The clip norm of each step, as an ``(init, update)`` pair: the optimizers' protocol.
 
         :func:`dpfunc.clipping.fixed_clipping` at ``clip_norm``, or with
         ``target_quantile`` :func:`dpfunc.clipping.adaptive_clipping` from
-        it. Its state is ``TrainState.clip_state``.
+        it. ``init(params)`` gives the state, ``TrainState.clip_state``;
+        ``update(count, state, params=None) -> (clip_norm, state)`` takes the
+        logical batch's :class:`dpfunc.clipping.UnclippedCount` (``None``
+        with a fixed norm) and gives the next step's clip norm.
         """
         if not self.adaptive:
             return fixed_clipping(self.clip_norm)

@@ -160,11 +160,13 @@ def init_noise_history(params: Params, bands: int) -> Params:
 def banded_noise(coefficients: Sequence[float]) -> NoiseMechanism:
     """The banded correlated noise as a mechanism: ``w_t = (C^{-1} Z)_t``, step by step.
 
+    A :data:`~dpfunc.noise.NoiseMechanism` (the protocol of :mod:`dpfunc.optim`):
     ``init(params)`` gives :func:`init_noise_history` (``b - 1`` zero trees,
-    stacked) in a :class:`~dpfunc.noise.NoiseState`; ``update(z_t, state)``
-    is :func:`solve_recurrence`, which returns the correlated draw and the
-    state with it in front. Both are pure and compile with
-    ``fullgraph=True``. One coefficient gives ``w_t = z_t / c_0``.
+    stacked) in a :class:`~dpfunc.noise.NoiseState`; ``update(z_t, state,
+    params=None)`` is :func:`solve_recurrence`, which returns the correlated
+    draw and the state with it in front (``params`` is not read). Both are
+    pure and compile with ``fullgraph=True``. One coefficient gives ``w_t =
+    z_t / c_0``.
 
     Args:
         coefficients: ``c_0, ..., c_{b-1}`` of the banded Toeplitz strategy,
@@ -178,13 +180,18 @@ def banded_noise(coefficients: Sequence[float]) -> NoiseMechanism:
     >>> state = mechanism.init({"w": torch.zeros(2)})
     >>> tuple(state.history["w"].shape)
     (2, 2)
+    >>> w, state = mechanism.update({"w": torch.ones(2)}, state)
+    >>> tuple(w["w"].shape), tuple(state.history["w"].shape)
+    ((2,), (2, 2))
     """
     values = _check_coefficients(coefficients)
 
     def init(params: Params) -> NoiseState:
         return NoiseState(init_noise_history(params, len(values)))
 
-    def update(noise: Params, state: NoiseState) -> tuple[Params, NoiseState]:
+    def update(
+        noise: Params, state: NoiseState, params: Params | None = None
+    ) -> tuple[Params, NoiseState]:
         correlated, history = solve_recurrence(noise, state.history, values)
         return correlated, NoiseState(history)
 

@@ -10,7 +10,7 @@ Randomness enters as an explicit standard-normal tree drawn outside the
 compiled step, a function of ``(seed, step)`` (:func:`standard_normal_like`):
 the step stays a pure function, compiles once, and a run is reproducible and
 resumable from its step count alone. What the step adds is the noise
-mechanism's output (:class:`NoiseMechanism`): the draw itself for DP-SGD
+mechanism's output (:data:`NoiseMechanism`): the draw itself for DP-SGD
 (:func:`independent_noise`), a correlated one for banded noise
 (:func:`dpfunc.matrix_factorization.banded_noise`).
 
@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_choice, check_number
+from .optim import GradientTransformation
 from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_map, tree_structure
 
 SECRET_BITS = 256
@@ -566,19 +567,16 @@ class NoiseState(NamedTuple):
     history: Params = {}  # noqa: RUF012 (never mutated: states are replaced, not changed)
 
 
-class NoiseMechanism(NamedTuple):
-    """How a step's standard-normal tree ``z_t`` becomes the noise it adds, ``w_t``.
-
-    Two pure functions, in the style of :mod:`dpfunc.optim`: ``init(params)
-    -> NoiseState``, the state before the first step, and ``update(z_t,
-    state) -> (w_t, state)``. The step adds ``noise_std * w_t`` to the
-    clipped sum. Made by :func:`independent_noise` and
-    :func:`dpfunc.matrix_factorization.banded_noise`;
-    :meth:`dpfunc.DPConfig.noise_mechanism` picks the one a config releases.
-    """
-
-    init: Callable[[Params], NoiseState]
-    update: Callable[[Params, NoiseState], tuple[Params, NoiseState]]
+#: How a step's standard-normal tree ``z_t`` becomes the noise it adds, ``w_t``: a
+#: :class:`dpfunc.optim.GradientTransformation`, the protocol of the optimizers and of
+#: the clip mechanisms (:data:`dpfunc.clipping.ClipMechanism`). ``init(params) ->
+#: NoiseState`` is the state before the first step (``params`` give the shapes);
+#: ``update(z_t, state, params=None) -> (w_t, state)`` maps the draw to the noise and
+#: the next state, reading no data. The step adds ``noise_std * w_t`` to the clipped
+#: sum. Made by :func:`independent_noise` and
+#: :func:`dpfunc.matrix_factorization.banded_noise`; :meth:`dpfunc.DPConfig.noise_mechanism`
+#: picks the one a config releases.
+NoiseMechanism = GradientTransformation
 
 
 def independent_noise() -> NoiseMechanism:
@@ -596,7 +594,9 @@ def independent_noise() -> NoiseMechanism:
     def init(params: Params) -> NoiseState:
         return NoiseState({})
 
-    def update(noise: Params, state: NoiseState) -> tuple[Params, NoiseState]:
+    def update(
+        noise: Params, state: NoiseState, params: Params | None = None
+    ) -> tuple[Params, NoiseState]:
         return noise, state
 
     return NoiseMechanism(init, update)

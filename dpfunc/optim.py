@@ -73,6 +73,12 @@ class GradientTransformation(NamedTuple):
     Read it through :func:`learning_rate`. Build a transformation by keyword
     or with two or three positional fields; it is a 3-tuple, so unpack it as
     ``init, update, _ = opt`` or use the attributes.
+
+    The step's other mechanisms with state are this protocol too: the noise
+    (:data:`dpfunc.noise.NoiseMechanism`, the step's draw in, the noise to
+    add out) and the clip norm (:data:`dpfunc.clipping.ClipMechanism`, the
+    logical batch's unclipped count in, the next clip norm out), so one of
+    your own is written like an optimizer, and :func:`chain` composes them.
     """
 
     init: Callable[[PyTree], State]

@@ -18,12 +18,16 @@ pieces between the collectives compile with ``torch.compile(fullgraph=True)``
 (:meth:`TrainStep.compile`), and on one process ``step(...)`` is pure and
 compiles whole.
 
-The mechanisms with state come from the config as ``(init, update)`` pairs:
-the noise (:meth:`DPConfig.noise_mechanism`: independent, or banded
-correlated) and the clip norm (:meth:`DPConfig.clip_mechanism`: fixed, or
-adaptive). Their states live in the :class:`TrainState` beside the
-parameters, the optimizer state and the step count, so a step is one pure
-function of the state and a checkpoint of it resumes the run.
+The mechanisms with state come from the config as ``(init, update)`` pairs
+of one protocol, the optimizer's (:class:`dpfunc.optim.GradientTransformation`:
+``init(params) -> state``, ``update(input, state, params) -> (output,
+state)``): the noise (:meth:`DPConfig.noise_mechanism`: independent, or
+banded correlated; the step's draw in, the noise to add out) and the clip
+norm (:meth:`DPConfig.clip_mechanism`: fixed, or adaptive; the logical
+batch's :class:`~dpfunc.clipping.UnclippedCount` in, the next clip norm
+out). Their states live in the :class:`TrainState` beside the parameters,
+the optimizer state and the step count, so a step is one pure function of
+the state and a checkpoint of it resumes the run.
 
 Rounding. A micro-batch's clipped sum is in the accumulation dtype (float32
 for bf16, fp16 and float32 parameters, float64 for float64; see
@@ -57,7 +61,7 @@ from torch import Tensor
 from . import optim
 from ._compiling import compile_fullgraph
 from .clipper import ExampleStats, make_clipper, summarize
-from .clipping import FLOAT32_SUMS, ClipState, accumulation_dtype, unclipped_count
+from .clipping import FLOAT32_SUMS, ClipState, UnclippedCount, accumulation_dtype, unclipped_count
 from .config import DPConfig, SpeedConfig, settings_from
 from .noise import NoiseState, noisy_average, standard_normal_like
 from .per_sample import LossFn, explain_example_error
@@ -277,7 +281,7 @@ class TrainStep:
             params,
             self.optimizer.init(params),
             step,
-            self.clip_mechanism.init(),
+            self.clip_mechanism.init(params),
             self.noise_mechanism.init(params),
         )
 
@@ -311,9 +315,9 @@ class TrainStep:
         :meth:`compile` it runs the compiled pieces.
         """
         self._check(state, noise, count_noise)
-        summed, stats, count = self._clipped_sum(state, [(batch, mask)], None)
+        summed, stats, count = self._clipped_sum(state, [(batch, mask)], None, count_noise)
         reduced = self.collectives.reduce(summed, state.step)
-        return self._update(state, reduced, noise, count, count_noise), summarize(stats)
+        return self._update(state, reduced, noise, count), summarize(stats)
 
     def logical_step(
         self,
@@ -357,9 +361,11 @@ class TrainStep:
         """
         self._check(state, noise.params, noise.count)
         with _outside_inference_mode():
-            summed, stats, count = self._clipped_sum(state, micro_batches, before_release)
+            summed, stats, count = self._clipped_sum(
+                state, micro_batches, before_release, noise.count
+            )
             reduced = self.collectives.reduce(summed, state.step)
-            return self._update(state, reduced, noise.params, count, noise.count), stats
+            return self._update(state, reduced, noise.params, count), stats
 
     def logical_gradient(
         self,
@@ -380,11 +386,11 @@ class TrainStep:
         """
         self._check(state, noise.params, noise.count)
         with _outside_inference_mode():
-            summed, stats, count = self._clipped_sum(state, micro_batches, before_release)
-            reduced = self.collectives.reduce(summed, state.step)
-            private, clip_state, noise_state = self._release(
-                state, reduced, noise.params, count, noise.count
+            summed, stats, count = self._clipped_sum(
+                state, micro_batches, before_release, noise.count
             )
+            reduced = self.collectives.reduce(summed, state.step)
+            private, clip_state, noise_state = self._release(state, reduced, noise.params, count)
         state = state._replace(step=state.step + 1, clip_state=clip_state, noise_state=noise_state)
         return private, state, stats
 
@@ -477,8 +483,13 @@ class TrainStep:
         state: TrainState,
         micro_batches: Iterable[tuple[PyTree, Tensor]],
         before_release: Callable[[ExampleStats], None] | None,
-    ) -> tuple[Params, ExampleStats, Tensor | None]:
+        count_noise: Tensor | None,
+    ) -> tuple[Params, ExampleStats, UnclippedCount | None]:
         """This rank's clipped sum, all ranks' stats, and adaptive clipping's count.
+
+        The count is what the clip mechanism's ``update`` reads: the whole
+        logical batch's :func:`~dpfunc.clipping.unclipped_count` with its
+        standard-normal draw ``count_noise``; ``None`` with a fixed clip norm.
 
         The running sum is float32 for float32 and half parameters for the
         first ``FLOAT32_SUMS`` less the ranks (public) micro-batch sums; a
@@ -503,8 +514,9 @@ class TrainStep:
             before_release(stats)
         if not self.adaptive:
             return summed, stats, None
-        # the whole logical batch's count, noised once from its own stream
-        return summed, stats, unclipped_count(stats.norm, state.clip_state.clip_norm, stats.mask)
+        # the whole logical batch's count, noised once (by the clip mechanism) from its own stream
+        count = unclipped_count(stats.norm, state.clip_state.clip_norm, stats.mask)
+        return summed, stats, UnclippedCount(count, count_noise)
 
     def _add(
         self, summed: Params, params: Params, batch: PyTree, mask: Tensor, clip_norm: tuple
@@ -536,26 +548,20 @@ class TrainStep:
         return tree_add(summed, micro), stats
 
     def _apply(
-        self,
-        state: TrainState,
-        summed: Params,
-        noise: Params,
-        count: Tensor | None = None,
-        count_noise: Tensor | None = None,
+        self, state: TrainState, summed: Params, noise: Params, count: UnclippedCount | None = None
     ) -> TrainState:
-        """:meth:`_private`, then the optimizer's update: the local rest of a step."""
-        private, clip_state, noise_state = self._private(state, summed, noise, count, count_noise)
+        """:meth:`_private`, then the optimizer's update: the local rest of a step.
+
+        The noise mechanism, the optimizer and the clip mechanism are one
+        protocol, called alike: ``output, own_state = m.update(input, own_state, params)``.
+        """
+        private, clip_state, noise_state = self._private(state, summed, noise, count)
         updates, opt_state = self.optimizer.update(private, state.opt_state, state.params)
         params = optim.apply_updates(state.params, updates)
         return TrainState(params, opt_state, state.step + 1, clip_state, noise_state)
 
     def _private(
-        self,
-        state: TrainState,
-        summed: Params,
-        noise: Params,
-        count: Tensor | None = None,
-        count_noise: Tensor | None = None,
+        self, state: TrainState, summed: Params, noise: Params, count: UnclippedCount | None = None
     ) -> tuple[Params, ClipState, NoiseState]:
         """The logical batch's clipped sum (over all ranks), noised once and averaged.
 
@@ -563,8 +569,8 @@ class TrainStep:
         ``w`` what the noise mechanism makes of ``noise`` and
         ``state.noise_state`` (``noise`` itself for DP-SGD; the banded
         correlated draw with ``bands > 1``), and the mechanisms' next states
-        (adaptive clipping releases ``count`` with noise
-        ``count_noise_multiplier * count_noise``). Nothing here reads the data
+        (adaptive clipping releases ``count.count`` with noise
+        ``count_noise_multiplier * count.noise``). Nothing here reads the data
         beyond ``summed`` and ``count``. Noise, average and the cast to each
         parameter's accumulation dtype are one fused pass per leaf
         (:func:`dpfunc.noise.noisy_average`): every rounding comes after the
@@ -574,9 +580,9 @@ class TrainStep:
         std = (
             self.noise_multiplier * state.clip_state.clip_norm if self.adaptive else self.noise_std
         )
-        clip_state = self.clip_mechanism.update(count, count_noise, state.clip_state)
-        noise, noise_state = self.noise_mechanism.update(noise, state.noise_state)
-        private = noisy_average(summed, noise, std, self.expected_batch_size, state.params)
+        w, noise_state = self.noise_mechanism.update(noise, state.noise_state, state.params)
+        private = noisy_average(summed, w, std, self.expected_batch_size, state.params)
+        _, clip_state = self.clip_mechanism.update(count, state.clip_state, state.params)
         return private, clip_state, noise_state
 
 

@@ -8,6 +8,8 @@ state holds the noise and clip states; checkpoints store them by name, and
 a checkpoint of version 2 is refused with the reason.
 """
 
+import inspect
+
 import optree
 import pytest
 import torch
@@ -17,7 +19,13 @@ from torch.func import functional_call
 
 import dpfunc
 from dpfunc import checkpoint, data
-from dpfunc.clipping import ClipState, adaptive_clip_norm, adaptive_clipping, fixed_clipping
+from dpfunc.clipping import (
+    ClipState,
+    UnclippedCount,
+    adaptive_clip_norm,
+    adaptive_clipping,
+    fixed_clipping,
+)
 from dpfunc.matrix_factorization import (
     banded_noise,
     init_noise_history,
@@ -88,36 +96,121 @@ def test_the_config_yields_the_noise_mechanism_of_its_bands():
 def test_adaptive_clipping_is_adaptive_clip_norm_of_the_noisy_count():
     settings = dict(clip_norm=0.3, expected_batch_size=16.0, target_quantile=0.7)
     mechanism = adaptive_clipping(**settings, learning_rate=0.2, count_noise_multiplier=0.8)
-    state = mechanism.init()
+    state = mechanism.init({"w": torch.zeros(3)})
     assert state.clip_norm.dtype == torch.float64 and float(state.clip_norm) == 0.3
     clip = torch.tensor(0.3, dtype=torch.float64)
     g = torch.Generator().manual_seed(3)
     for count in [16.0, 3.0, 0.0, 9.0, 12.0]:
         count = torch.tensor(count, dtype=torch.float64)
         noise = torch.randn((), generator=g, dtype=torch.float64)
-        state = mechanism.update(count, noise, state)
+        clip_norm, state = mechanism.update(UnclippedCount(count, noise), state)
         clip = adaptive_clip_norm(clip, count + 0.8 * noise, 16.0, 0.7, 0.2)
-        assert torch.equal(state.clip_norm, clip)
+        assert torch.equal(state.clip_norm, clip) and torch.equal(clip_norm, clip)
+        assert clip_norm.shape == () and clip_norm.dtype == torch.float64
     with pytest.raises(ValueError, match="count"):
-        mechanism.update(None, None, state)
+        mechanism.update(None, state)
+    with pytest.raises(ValueError, match="count"):
+        mechanism.update(UnclippedCount(count, None), state)
     config = dpfunc.DPConfig(
         **settings, noise_multiplier=1.0, quantile_learning_rate=0.2, count_noise_multiplier=0.8
     )
     from_config = config.clip_mechanism()
-    moved = from_config.update(count, noise, ClipState(clip))
-    assert torch.equal(moved.clip_norm, mechanism.update(count, noise, ClipState(clip)).clip_norm)
+    released = UnclippedCount(count, noise)
+    _, moved = from_config.update(released, ClipState(clip))
+    assert torch.equal(moved.clip_norm, mechanism.update(released, ClipState(clip))[1].clip_norm)
 
 
 def test_fixed_clipping_never_moves_and_refuses_a_bad_norm():
     mechanism = dpfunc.DPConfig(clip_norm=2.5, noise_multiplier=1.0,
                                 expected_batch_size=4).clip_mechanism()  # fmt: skip
-    state = mechanism.init()
+    state = mechanism.init({"w": torch.zeros(3)})
     assert state.clip_norm.dtype == torch.float64 and float(state.clip_norm) == 2.5
-    assert mechanism.update(torch.tensor(4.0), torch.tensor(1.0), state) is state
+    clip_norm, after = mechanism.update(None, state)
+    assert after is state and clip_norm.shape == () and float(clip_norm) == 2.5
+    # it reads nothing: a count given anyway changes nothing
+    assert mechanism.update(UnclippedCount(torch.tensor(4.0), torch.tensor(1.0)), state)[1] is state
     with pytest.raises(ValueError, match="clip_norm=0"):
         fixed_clipping(0)
     with pytest.raises(ValueError, match="clip_norm=inf"):
         adaptive_clipping(float("inf"), 4.0, 0.5, 0.2, 1.0)
+
+
+# --------------------------------------------------------------------------- one protocol
+
+F64 = torch.float64
+PARAMS = {"w": torch.zeros(3, 2, dtype=F64), "b": torch.zeros(2, dtype=F64)}
+GRADS = {"w": torch.ones(3, 2, dtype=F64), "b": torch.full((2,), 2.0, dtype=F64)}
+COUNT = UnclippedCount(torch.tensor(3.0, dtype=F64), torch.tensor(0.5, dtype=F64))
+CONFIG = dict(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=4)
+
+
+def transformations():
+    """Every factory of the protocol, with an input of the kind its update reads."""
+    adaptive = dpfunc.DPConfig(**CONFIG, target_quantile=0.5)
+    return {
+        "sgd": (dpfunc.optim.sgd(lr=0.1, momentum=0.9), GRADS),
+        "adam": (dpfunc.optim.adam(lr=0.1), GRADS),
+        "adamw": (dpfunc.optim.adamw(lr=0.1), GRADS),
+        "scale": (dpfunc.optim.scale(0.5), GRADS),
+        "chain": (dpfunc.optim.chain(dpfunc.optim.scale(0.5), dpfunc.optim.sgd(lr=0.1)), GRADS),
+        "independent_noise": (independent_noise(), GRADS),
+        "banded_noise": (banded_noise(normalized_coefficients(3)), GRADS),
+        "DPConfig.noise_mechanism": (dpfunc.DPConfig(**CONFIG, bands=2).noise_mechanism(), GRADS),
+        "fixed_clipping": (fixed_clipping(1.0), None),
+        "adaptive_clipping": (adaptive_clipping(1.0, 4.0, 0.5, 0.2, 1.0), COUNT),
+        "DPConfig.clip_mechanism": (adaptive.clip_mechanism(), COUNT),
+    }
+
+
+@pytest.mark.parametrize("name", list(transformations()))
+def test_every_optimizer_and_mechanism_is_one_protocol(name):
+    """``init(params) -> state``; ``update(updates, state, params=None) -> (updates, state)``."""
+    transform, updates = transformations()[name]
+    assert isinstance(transform, dpfunc.optim.GradientTransformation)
+    assert list(inspect.signature(transform.init).parameters) == ["params"]
+    arguments = inspect.signature(transform.update).parameters
+    assert len(arguments) == 3 and list(arguments)[1:] == ["state", "params"]
+    assert arguments["params"].default is None
+    state = transform.init(PARAMS)
+    structure = optree.tree_structure(state, none_is_leaf=True)
+    for _ in range(2):
+        out, state = transform.update(updates, state, PARAMS)
+        assert optree.tree_structure(state, none_is_leaf=True) == structure  # the same layout
+    if "noise" in name or "clip" in name:  # a mechanism reads no params: None is the same
+        again, _ = transform.update(updates, transform.init(PARAMS))
+        first, _ = transform.update(updates, transform.init(PARAMS), PARAMS)
+        assert all(map(torch.equal, optree.tree_leaves(again), optree.tree_leaves(first)))
+    if "clip" in name:  # the next step's clip norm, the one the state holds
+        assert out.shape == () and out.dtype == F64 and torch.equal(out, state.clip_norm)
+    else:
+        assert optree.tree_structure(out) == optree.tree_structure(PARAMS)
+
+
+def test_the_step_calls_its_noise_optimizer_and_clip_norm_alike():
+    """The step's private update is ``output, state = m.update(input, state, params)`` thrice."""
+    loss_fn, params, (x, y), config = problem(target_quantile=0.5)
+    step = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.1), config)
+    calls = []
+
+    def recorded(name, transform):
+        def update(updates, state, params=None):
+            calls.append((name, type(updates).__name__, params is not None))
+            return transform.update(updates, state, params)
+
+        return transform._replace(update=update)
+
+    step.noise_mechanism = recorded("noise", step.noise_mechanism)
+    step.optimizer = recorded("optimizer", step.optimizer)
+    step.clip_mechanism = recorded("clip", step.clip_mechanism)
+    state = step.init(params)
+    noise = step.draw_noise(state.params, seed=SECRET, step=0)
+    step.logical_step(state, [((x[:8], y[:8]), torch.ones(8))], noise)
+    # each once, with its input, its own state and the parameters
+    assert sorted(calls) == [
+        ("clip", "UnclippedCount", True),
+        ("noise", "dict", True),
+        ("optimizer", "dict", True),
+    ]
 
 
 # --------------------------------------------------------------------------- sampler
@@ -186,7 +279,8 @@ def test_the_train_state_holds_each_mechanism_state_and_the_step_moves_it(settin
     # the mechanisms, applied by hand to what the step saw
     _, noise_state = config.noise_mechanism().update(noise.params, state.noise_state)
     count = dpfunc.clipping.unclipped_count(stats.norm, state.clip_state.clip_norm, stats.mask)
-    clip_state = config.clip_mechanism().update(count, noise.count, state.clip_state)
+    released = UnclippedCount(count, noise.count) if step.adaptive else None
+    _, clip_state = config.clip_mechanism().update(released, state.clip_state, state.params)
     assert torch.equal(new.clip_state.clip_norm, clip_state.clip_norm)
     assert optree.tree_structure(new.noise_state) == optree.tree_structure(noise_state)
     for a, b in zip(optree.tree_leaves(new.noise_state), optree.tree_leaves(noise_state)):
