@@ -91,7 +91,7 @@ def lm_trainer(out, *, model=None, args=None, seed=1, config=None, **kwargs):
         model=model if model is not None else gpt2_lora(),
         args=args if args is not None else arguments(out),
         train_dataset=texts(),
-        data_collator=pad,
+        data_collator=kwargs.pop("data_collator", pad),
         privacy=config if config is not None else privacy(),
         seed=seed,
         **kwargs,
@@ -343,6 +343,17 @@ def test_other_refusals_name_what_to_use(tmp_path):
                        privacy=privacy())  # fmt: skip
 
 
+def test_a_random_masking_collator_is_said_to_draw_once(tmp_path):
+    class Masking:
+        mlm = True  # as transformers.DataCollatorForLanguageModeling(mlm=True)
+
+        def __call__(self, features):
+            return pad(features)
+
+    with pytest.warns(UserWarning, match="masks drawn now for the whole run"):
+        lm_trainer(tmp_path, data_collator=Masking())
+
+
 def test_the_length_of_the_run_follows_the_training_arguments(tmp_path):
     config = dpfunc.DPConfig(expected_batch_size=B, clip_norm=1.0, noise_multiplier=1.0,
                              delta=1e-5)  # fmt: skip
@@ -362,6 +373,8 @@ def test_the_heads_by_model_class():
         head(logits, labels), torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     )
     assert per_example_loss(gpt2_lora()) is dpfunc.losses.causal_lm
+    masked = transformers.BertForMaskedLM(bert.config)
+    assert per_example_loss(masked) is dpfunc.losses.masked_lm
     with pytest.raises(ValueError, match="label_smoothing"):
         per_example_loss(gpt2_lora(), label_smoothing=0.1)
     with pytest.raises(ValueError, match="no built-in per-example loss for BertModel"):

@@ -163,6 +163,13 @@ class PrivateTrainer(transformers.Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
+        if getattr(self.data_collator, "mlm", False):
+            warnings.warn(
+                "the data collator masks tokens at random (mlm=True); the training set is "
+                "collated once, so each example keeps the masks drawn now for the whole run "
+                "(transformers.Trainer draws new ones each epoch)",
+                stacklevel=3,
+            )
         columns = collator([dataset[i] for i in range(len(dataset))])
         columns = {k: v for k, v in dict(columns).items() if isinstance(v, Tensor)}
         if "labels" not in columns:
