@@ -397,8 +397,24 @@ class DPConfig:
                     f"of {accounted:.4g}, which count_noise_multiplier={count!r} alone does not "
                     "leave room for; raise it"
                 )
-            sigma = (accounted**-2 - count**-2) ** -0.5
+            sigma = sum_noise_multiplier(accounted, count)
         return dataclasses.replace(self, noise_multiplier=sigma, target_epsilon=None, delta=delta)
+
+
+def sum_noise_multiplier(accounted: float, count_noise_multiplier: float) -> float:
+    """The gradient sum's share of a combined noise multiplier, never leaving it too low.
+
+    The inverse of :func:`dpfunc.accounting.combined_noise_multiplier` for a
+    fixed count multiplier (``> accounted``): ``(accounted**-2 - count**-2)
+    ** -0.5``, raised by as many ulps as rounding needs so that the combined
+    multiplier the accountant sees is at least ``accounted`` (a smaller one
+    would put the epsilon above the one calibrated for).
+    """
+    count = count_noise_multiplier
+    sigma = (accounted**-2 - count**-2) ** -0.5
+    while combined_noise_multiplier(sigma, count) < accounted:
+        sigma = math.nextafter(sigma, math.inf)
+    return sigma
 
 
 @dataclasses.dataclass(frozen=True)

@@ -201,7 +201,7 @@ class Sharding:
         """This rank's rows of ``summed`` summed over the ranks: one reduce-scatter per dtype.
 
         Collective (raw, as :meth:`unshard`); ``summed`` is each rank's whole
-        tree (a float64 clipped sum).
+        tree (a clipped sum, float32 within FLOAT32_SUMS).
         """
         self.check(summed, whole=True, what="summed")
         leaves = tree_leaves(summed)

@@ -59,7 +59,7 @@ from . import accounting
 from ._checks import check_choice, check_int, check_number
 from .accounting import Accountant, _quiet_absl, participations
 from .checkpoint import _atomic_write, _lock, release_all
-from .config import DPConfig
+from .config import DPConfig, sum_noise_multiplier
 from .noise import check_seed, secret_seed, standard_normal_like
 
 try:  # the inversion of the mean that dp_accounting's RDP bound uses (a private function)
@@ -912,7 +912,7 @@ def _sum_sigma(config: DPConfig, accounted: float) -> float:
             f"the search needs a combined noise multiplier of {accounted:.4g} per step, which "
             f"count_noise_multiplier={count!r} alone does not leave room for; raise it"
         )
-    return (accounted**-2 - count**-2) ** -0.5
+    return sum_noise_multiplier(accounted, count)
 
 
 def _check_score_noise(score: str, value: Any) -> float | None:

@@ -399,3 +399,21 @@ def test_each_speed_setting_reaches_the_step_that_uses_it_or_is_refused(problem)
         dpfunc.PrivateGradients(
             model, loss_fn, dataset, config=config(), speed=dpfunc.SpeedConfig(model=other)
         )
+
+
+def test_the_sum_share_never_leaves_the_combined_noise_below_the_calibrated_one():
+    """Rounding in (a**-2 - c**-2) ** -0.5 must not put the accounted multiplier below a."""
+    from dpfunc.accounting import combined_noise_multiplier
+    from dpfunc.config import sum_noise_multiplier
+
+    g = torch.Generator().manual_seed(0)
+    accounted = 0.3 + 5 * torch.rand(2000, generator=g, dtype=torch.float64)
+    ratio = 1.0001 + 20 * torch.rand(2000, generator=g, dtype=torch.float64)
+    low = 0
+    for a, c in zip(accounted.tolist(), (accounted * ratio).tolist()):
+        sigma = sum_noise_multiplier(a, c)
+        assert combined_noise_multiplier(sigma, c) >= a
+        plain = (a**-2 - c**-2) ** -0.5
+        low += combined_noise_multiplier(plain, c) < a
+        assert sigma - plain <= 4 * math.ulp(plain)  # the correction is rounding, nothing more
+    assert low > 0  # the plain formula does fall below: the correction is needed
