@@ -362,12 +362,12 @@ def _trial_event(sigma: float, rate: float, steps: int, score_sigma: float | Non
     return dp_event.ComposedDpEvent([train, dp_event.GaussianDpEvent(score_sigma)])
 
 
-def _search_event(trial: Any, mean: float, shape: float, abandoned: int):
-    """The repeat-and-select event, composed with every interrupted attempt (a whole trial each)."""
+def _search_event(trial: Any, mean: float, shape: float, retries: int):
+    """The repeat-and-select event, composed with ``retries`` whole trials (fixed in advance)."""
     selected = dp_event.RepeatAndSelectDpEvent(trial, mean, shape)
-    if abandoned == 0:
+    if retries == 0:
         return selected
-    return dp_event.ComposedDpEvent([selected, dp_event.SelfComposedDpEvent(trial, abandoned)])
+    return dp_event.ComposedDpEvent([selected, dp_event.SelfComposedDpEvent(trial, retries)])
 
 
 def _rdp_epsilon(event: Any, delta: float) -> float:
@@ -447,9 +447,9 @@ class Trial(NamedTuple):
 
     ``score`` is the private (noisy) or public score, NaN where a public
     score was NaN; ``steps`` the steps its run accounted; ``attempts`` the
-    runs started for it (more than 1: interrupted ones, each accounted as a
-    whole trial and each with its own hyperparameters: ``hyperparameters``
-    are the last attempt's).
+    runs started for it (more than 1: interrupted ones, among the ``retries``
+    accounted in advance, each with its own hyperparameters:
+    ``hyperparameters`` are the last attempt's).
     """
 
     index: int
@@ -487,12 +487,18 @@ class RandomSearch:
             reproducible, and no privacy against whoever knows it.
         checkpoint_path: a file saved before and after every trial, and
             resumed from (with a warning) if it exists.
+        retries: how many interrupted attempts (a trial that raised, or was
+            running when the process died) the search may restart; each is
+            accounted IN ADVANCE as a whole trial, whether or not it
+            happens, so that the epsilon does not depend on how many did.
+            One more interruption voids the search.
 
     Privacy: the released output (:attr:`SearchResult.best` and
     :attr:`SearchResult.result`) is ``(epsilon(delta), delta)``-DP with
     ``epsilon`` dp_accounting's RDP accountant on :attr:`dp_event`, the
-    repeat-and-select event of the trial event (composed with a whole trial
-    per interrupted attempt), provided each trial function reads nothing but
+    repeat-and-select event of the trial event (composed with ``retries``
+    whole trials, the interrupted attempts it may restart), provided each trial
+    function reads nothing but
     its arguments and trains one run. ``K``, the trial list and the other
     scores are not covered (:meth:`SearchResult.all_trials_epsilon` is their cost).
 
@@ -523,8 +529,10 @@ class RandomSearch:
         score_noise_multiplier: float | None = None,
         seed: int | None = None,
         checkpoint_path: str | os.PathLike | None = None,
+        retries: int = 0,
     ):
         self.space = _check_space(space)
+        self.retries = check_int("retries", retries, minimum=0)
         self.num_examples = check_int("num_examples", num_examples, minimum=1)
         self.mean_trials, self.shape = _check_count(mean_trials, shape)
         self.score = check_choice("score", score, SCORES)
@@ -570,7 +578,7 @@ class RandomSearch:
 
         def epsilon_of(accounted: float) -> float:
             trial = _trial_event(accounted, rate, steps, self.score_noise_multiplier)
-            event = _search_event(trial, self.mean_trials, self.shape, 0)
+            event = _search_event(trial, self.mean_trials, self.shape, self.retries)
             return _rdp_epsilon(event, plain.delta)
 
         floor = "the score's noise and the trial count's mean alone"
@@ -587,10 +595,12 @@ class RandomSearch:
 
         ``RepeatAndSelectDpEvent(trial, mean_trials, shape)``, where a trial is
         ``steps`` Poisson-sampled Gaussian steps, composed (private score) with
-        the score's Gaussian; composed with ``SelfComposedDpEvent(trial, n)``
-        after ``n`` interrupted attempts.
+        the score's Gaussian; composed with ``SelfComposedDpEvent(trial, n)``,
+        ``n = retries`` fixed in advance (or the interrupted attempts, if a
+        void search had more).
         """
-        return _search_event(self.trial_event, self.mean_trials, self.shape, self._abandoned())
+        n = max(self.retries, self._abandoned())
+        return _search_event(self.trial_event, self.mean_trials, self.shape, n)
 
     @property
     def trial_event(self) -> Any:
@@ -669,15 +679,17 @@ class RandomSearch:
         ``config`` and ``seed`` (``Trainer(..., config=config, seed=seed)``)
         and returns an :class:`Outcome`. It must read nothing but its
         arguments (no earlier trial, no state of its own). A call after an
-        exception or a crash goes on from the trial that was interrupted:
-        that attempt is accounted as a whole trial, and the trial starts
-        again with fresh hyperparameters and a fresh seed.
+        exception or a crash goes on from the trial that was interrupted,
+        with fresh hyperparameters and a fresh seed, as long as the
+        interrupted attempts stay within ``retries`` (accounted in advance);
+        one more voids the search.
 
         Raises:
             RuntimeError: a trial's run spent more than its event (more steps,
-                another noise multiplier or sample rate) or reused a seed: the
-                search is void and releases nothing, now or after a resume;
-                or ``run`` is called from inside a trial.
+                another noise multiplier or sample rate) or reused a seed, or
+                the interrupted attempts exceed ``retries``: the search is void
+                and releases nothing, now or after a resume; or ``run`` is
+                called from inside a trial.
             TypeError, ValueError: a trial returned something malformed.
             Whatever ``trial_fn`` raises (the attempt stays accounted).
         """
@@ -688,6 +700,7 @@ class RandomSearch:
             )
         if not callable(trial_fn):
             raise TypeError(f"trial_fn must be callable, got trial_fn={trial_fn!r}")
+        self._check_retries()
         self._check_not_void()
         self._running = True
         try:
@@ -706,7 +719,7 @@ class RandomSearch:
         if attempt > 0:  # an interrupted attempt: fresh hyperparameters for an independent trial
             state["hyperparameters"][index] = self._hyperparameters(index, attempt)
         state["attempts"][index] = attempt + 1
-        self._save()  # accounted before the trial runs: an interruption can only over-count
+        self._save()  # recorded before the trial runs: an interruption is always counted
         hyperparameters = state["hyperparameters"][index]
         seed = self._run_seed(index, attempt)
         outcome = trial_fn(
@@ -790,11 +803,22 @@ class RandomSearch:
         noisy = total + self.score_noise_multiplier * self._score_noise(index, attempt)
         return noisy / values.numel()
 
+    def _check_retries(self) -> None:
+        """Voids the search once its interrupted attempts exceed the ``retries`` accounted."""
+        abandoned = self._abandoned()
+        if abandoned > self.retries and self._state["void"] is None:
+            self._state["void"] = (
+                f"{abandoned} interrupted attempts, more than the retries={self.retries} its "
+                "epsilon accounts in advance; how many attempts a search needs may depend on "
+                "the data, so it cannot be accounted afterwards"
+            )
+            self._save()
+
     def _check_not_void(self) -> None:
         if self._state["void"] is not None:
             raise RuntimeError(
-                f"this search is void ({self._state['void']}): a trial spent more than the "
-                "search accounts, so nothing of it may be released"
+                f"this search is void ({self._state['void']}): it spent more than its epsilon "
+                "accounts, so nothing of it may be released; a new search spends its own"
             )
 
     @property
@@ -825,6 +849,7 @@ class RandomSearch:
             "shape": self.shape,
             "score": self.score,
             "score_noise_multiplier": self.score_noise_multiplier,
+            "retries": self.retries,
             "seed_is_secret": self.seed_is_secret,
             "seed": None if self.seed_is_secret else self._secret,
         }
@@ -870,7 +895,7 @@ class RandomSearch:
             self._secret = secret_seed()
         warnings.warn(
             f"resuming the search saved at {os.fspath(path)!r}: {self._abandoned()} interrupted "
-            "attempts are accounted as whole trials",
+            f"attempts of the retries={self.retries} accounted in advance",
             stacklevel=3,
         )
 
@@ -986,6 +1011,7 @@ class SearchReport:
     trial: str
     score: str
     interrupted_attempts: int
+    retries: int
     seed: str
     not_covered: tuple[str, ...]
 
@@ -999,7 +1025,8 @@ class SearchReport:
             f"  released:        {self.released}",
             f"  each trial:      {self.trial}",
             f"  score:           {self.score}",
-            f"  interrupted:     {self.interrupted_attempts} attempts, each accounted as a trial",
+            f"  interrupted:     {self.interrupted_attempts} attempts; {self.retries} accounted "
+            "in advance, each as a whole trial",
             f"  accountant:      {self.accountant}",
             f"  seed:            {self.seed}",
             "  not covered by the guarantee:",
@@ -1097,6 +1124,7 @@ class SearchResult:
             trial=trial,
             score=score,
             interrupted_attempts=tuning._abandoned(),
+            retries=tuning.retries,
             seed=seed,
             not_covered=NOT_COVERED,
         )
@@ -1119,6 +1147,7 @@ def search(
     score_noise_multiplier: float | None = None,
     seed: int | None = None,
     checkpoint_path: str | os.PathLike | None = None,
+    retries: int = 0,
 ) -> SearchResult:
     """``RandomSearch(space, config, num_examples, ...).run(trial_fn)``, its path let go after.
 
@@ -1130,6 +1159,7 @@ def search(
     tuning = RandomSearch(
         space, config, num_examples, mean_trials=mean_trials, shape=shape, score=score,
         score_noise_multiplier=score_noise_multiplier, seed=seed, checkpoint_path=checkpoint_path,
+        retries=retries,
     )  # fmt: skip
     try:
         return tuning.run(trial_fn)

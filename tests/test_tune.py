@@ -271,7 +271,7 @@ def test_adaptive_use_is_refused():
         RandomSearch({"lr": FromHistory()}, CONFIG, N, mean_trials=3, score="public")
 
     search = RandomSearch({"lr": LogUniform(0.01, 1.0)}, CONFIG, N, mean_trials=4,
-                          score="public", seed=1)  # fmt: skip
+                          score="public", seed=1, retries=3)  # fmt: skip
 
     def peeking(hyperparameters, config, seed):
         search.result  # noqa: B018 (reading an earlier result)
@@ -370,7 +370,7 @@ def test_a_seed_reused_across_a_resume_is_refused(tmp_path):
     """A trial that resumes an earlier trial's run (its seed adopted) is caught after the
     search itself was resumed in another process too: the seeds' hashes are checkpointed."""
     path = tmp_path / "search.pt"
-    settings = dict(mean_trials=50, score="public", checkpoint_path=path)  # Poisson: K >= 3
+    settings = dict(mean_trials=50, score="public", checkpoint_path=path, retries=1)  # K >= 3
     runs = []
 
     def first(hyperparameters, config, seed):
@@ -399,7 +399,8 @@ def test_a_seed_reused_across_a_resume_is_refused(tmp_path):
 
 
 def test_malformed_outcomes_are_refused():
-    search = RandomSearch({}, CONFIG, N, mean_trials=2, shape=1.0, score_noise_multiplier=1.0)
+    search = RandomSearch({}, CONFIG, N, mean_trials=2, shape=1.0, score_noise_multiplier=1.0,
+                          retries=2)  # fmt: skip
     with pytest.raises(TypeError, match="returns dpfunc.tune.Outcome"):
         search.run(lambda h, c, s: 0.5)
     with pytest.raises(TypeError, match="Trainer"):
@@ -499,9 +500,10 @@ def test_the_report_names_the_search_and_what_is_released():
 # -- interruptions and checkpoints ----------------------------------------------------------
 
 
-def test_an_exception_is_accounted_and_the_trial_restarts_fresh():
+def test_an_exception_is_accounted_in_advance_and_the_trial_restarts_fresh():
     space = {"lr": LogUniform(1e-3, 1.0)}
-    search = RandomSearch(space, CONFIG, N, mean_trials=40, shape=1.0, score="public", seed=9)
+    search = RandomSearch(space, CONFIG, N, mean_trials=40, shape=1.0, score="public", seed=9,
+                          retries=1)  # fmt: skip
     before = search.epsilon()
     calls = []
 
@@ -520,19 +522,58 @@ def test_an_exception_is_accounted_and_the_trial_restarts_fresh():
             dp_event.SelfComposedDpEvent(trial, 1),
         ]
     )
-    assert search.epsilon() == library_epsilon(search.dp_event, 1e-5) > before
+    assert search.epsilon() == library_epsilon(search.dp_event, 1e-5) == before  # in advance
     result = search.run(failing_once)
     assert calls[2][0] != calls[1][0] and calls[2][1] != calls[1][1]  # fresh draws
     assert result.trials[1].attempts == 2 and result.trials[0].attempts == 1
     assert len(calls) == len(result.trials) + 1
-    assert "1 attempts" in str(result.privacy_report())
+    assert "1 attempts; 1 accounted in advance" in str(result.privacy_report())
+
+
+def test_one_interruption_more_than_the_retries_voids_the_search(tmp_path):
+    """How many attempts a search needs may depend on the data: the epsilon accounts a number
+    fixed in advance, and the search that needs more releases nothing."""
+    path = tmp_path / "search.pt"
+    settings = dict(mean_trials=40, shape=1.0, score="public", seed=9, checkpoint_path=path)
+    without = RandomSearch({}, CONFIG, N, **settings)
+    plain = without.epsilon()
+    assert without.dp_event == dp_event.RepeatAndSelectDpEvent(without.trial_event, 40.0, 1.0)
+    without.close()
+    path.unlink()
+    search = RandomSearch({}, CONFIG, N, **settings, retries=1)
+    assert search.epsilon() > plain  # the retry is paid for whether it happens or not
+    calls = []
+
+    def failing_twice(hyperparameters, config, seed):
+        calls.append(seed)
+        if len(calls) in (2, 3):
+            raise OSError("disk full")
+        return Outcome(FakeRun(config, seed), 0.0)
+
+    with pytest.raises(OSError):
+        search.run(failing_twice)
+    with pytest.raises(OSError):
+        search.run(failing_twice)  # the retry, interrupted too
+    with pytest.raises(RuntimeError, match="void .*2 interrupted attempts, more than the retr"):
+        search.run(failing_twice)
+    assert search.epsilon() >= library_epsilon(search.dp_event, 1e-5)  # both attempts counted
+    search.close()
+    with pytest.warns(UserWarning, match="resuming"):
+        resumed = RandomSearch({}, CONFIG, N, **settings, retries=1)
+    with pytest.raises(RuntimeError, match="void"):  # and after a resume
+        resumed.run(failing_twice)
+    resumed.close()
+    with pytest.raises(ValueError, match="retries differ"):  # more retries after the fact
+        RandomSearch({}, CONFIG, N, **settings, retries=2)
+    with pytest.raises(ValueError, match="retries"):
+        RandomSearch({}, CONFIG, N, mean_trials=3, score="public", retries=-1)
 
 
 def test_a_search_resumes_from_its_checkpoint(tmp_path):
     path = tmp_path / "search.pt"
     space = {"lr": LogUniform(1e-3, 1.0)}
     settings = dict(mean_trials=20, shape=1.0, score_noise_multiplier=3.0, checkpoint_path=path,
-                    seed=1)  # fmt: skip
+                    seed=1, retries=1)  # fmt: skip
     calls = []
 
     def crashing(hyperparameters, config, seed):
@@ -561,8 +602,9 @@ def test_a_search_resumes_from_its_checkpoint(tmp_path):
     assert [t.score for t in result.trials[:2]] == saved  # completed trials are not run again
     assert len(calls) == count + 1 and calls[3] != calls[2]  # trial 2 again, fresh draws
     assert result.trials[2].attempts == 2
+    no_retry = {**settings, "checkpoint_path": None, "retries": 0}
     assert result.epsilon() == library_epsilon(second.dp_event, 1e-5) > RandomSearch(
-        space, CONFIG, N, **{**settings, "checkpoint_path": None}).epsilon()  # fmt: skip
+        space, CONFIG, N, **no_retry).epsilon()  # fmt: skip
     second.close()
 
 
