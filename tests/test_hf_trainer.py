@@ -337,6 +337,10 @@ def test_other_refusals_name_what_to_use(tmp_path):
     args.push_to_hub, args.hub_strategy = True, "checkpoint"
     with pytest.raises(ValueError, match="secret seed"):
         lm_trainer(tmp_path, args=args)
+    with pytest.raises(ValueError, match=r"not tensors: \['text'\]"):
+        PrivateTrainer(model=gpt2_lora(), args=arguments(tmp_path), train_dataset=texts(),
+                       data_collator=lambda f: {**pad(f), "text": ["a"] * len(f)},
+                       privacy=privacy())  # fmt: skip
     with pytest.raises(ValueError, match="no 'labels'"):
         PrivateTrainer(model=gpt2_lora(), args=arguments(tmp_path), train_dataset=texts(),
                        data_collator=lambda f: {"input_ids": pad(f)["input_ids"]},

@@ -170,8 +170,15 @@ class PrivateTrainer(transformers.Trainer):
                 "(transformers.Trainer draws new ones each epoch)",
                 stacklevel=3,
             )
-        columns = collator([dataset[i] for i in range(len(dataset))])
-        columns = {k: v for k, v in dict(columns).items() if isinstance(v, Tensor)}
+        columns = dict(collator([dataset[i] for i in range(len(dataset))]))
+        other = sorted(k for k, v in columns.items() if not isinstance(v, Tensor))
+        if other:
+            raise ValueError(
+                f"the collated training set has columns that are not tensors: {other}; the "
+                "model is called with every column of a batch: drop them (Dataset."
+                "remove_columns, or remove_unused_columns=True) or make the collator return "
+                "tensors"
+            )
         if "labels" not in columns:
             raise ValueError(
                 f"the collated training set has no 'labels' (columns {sorted(columns)}): each "
