@@ -358,6 +358,13 @@ def test_a_random_masking_collator_is_said_to_draw_once(tmp_path):
         lm_trainer(tmp_path, data_collator=Masking())
 
 
+def test_hugging_faces_unaccounted_search_is_refused_for_dpfunc_tune(tmp_path):
+    trainer = lm_trainer(tmp_path)
+    with pytest.raises(RuntimeError, match="dpfunc.tune"):
+        trainer.hyperparameter_search(n_trials=3)
+    assert trainer.private.steps_done == 0
+
+
 def test_the_length_of_the_run_follows_the_training_arguments(tmp_path):
     config = dpfunc.DPConfig(expected_batch_size=B, clip_norm=1.0, noise_multiplier=1.0,
                              delta=1e-5)  # fmt: skip

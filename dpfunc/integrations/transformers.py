@@ -209,6 +209,19 @@ class PrivateTrainer(transformers.Trainer):
             )
         return privacy
 
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: each trial trains on the private data, and no epsilon covers the choice.
+
+        Raises:
+            RuntimeError: always; :mod:`dpfunc.tune` runs a search whose epsilon covers it.
+        """
+        raise RuntimeError(
+            "Trainer.hyperparameter_search trains on the private data once per trial and "
+            "chooses among the runs, which no printed epsilon covers (the choice is a release "
+            "too). Run the search with dpfunc.tune (docs/tuning.md): its trial count is random "
+            "and its one epsilon covers every trial and the choice"
+        )
+
     def get_train_dataloader(self) -> DataLoader:
         """One item per logical step: the next Poisson-sampled batch of the private run.
 
