@@ -56,7 +56,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_int, check_number
-from .datasets import as_dataset, dataset_size, gather_rows
+from .datasets import Collated, as_dataset, dataset_size, gather_rows
 from .noise import check_seed, keyed_generator, secret_seed
 
 PyTree = Any
@@ -332,6 +332,8 @@ def micro_batches(
         dimension ``physical_batch_size``. ``mask`` has shape
         ``[physical_batch_size]``, 1 for real rows and 0 for padding, on the
         device of the batch's first leaf. The masks sum to ``len(indices)``.
+        A :class:`dpfunc.datasets.Collated` dataset is collated one
+        micro-batch at a time, so each is padded to its own longest example.
 
     Raises:
         ValueError: ``indices`` is not 1-D integer, an index is out of
@@ -367,14 +369,18 @@ def micro_batches(
             )
     total = num * physical_batch_size
     padded = torch.cat([indices, torch.zeros(total - count, dtype=torch.int64)])
-    batch = gather_rows(dataset, padded, count)
-    leaves = optree.tree_leaves(batch)
-    device = leaves[0].device if leaves else torch.device("cpu")
-    mask = (torch.arange(total, device=device) < count).to(mask_dtype)
+    mask = torch.arange(total) < count
+    pieces = [slice(j * physical_batch_size, (j + 1) * physical_batch_size) for j in range(num)]
+    if isinstance(dataset, Collated):  # each micro-batch collated alone: padded to its own length
+        batches = [dataset.collate(padded[rows]) for rows in pieces]
+    else:
+        batch = gather_rows(dataset, padded, count)
+        batches = [optree.tree_map(lambda leaf, rows=rows: leaf[rows], batch) for rows in pieces]
     out = []
-    for j in range(num):
-        rows = slice(j * physical_batch_size, (j + 1) * physical_batch_size)
-        out.append((optree.tree_map(lambda leaf, rows=rows: leaf[rows], batch), mask[rows]))
+    for batch, rows in zip(batches, pieces):
+        leaves = optree.tree_leaves(batch)
+        device = leaves[0].device if leaves else torch.device("cpu")
+        out.append((batch, mask[rows].to(device=device, dtype=mask_dtype)))
     return out
 
 

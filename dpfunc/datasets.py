@@ -15,6 +15,11 @@ must hold the same data in the same order), and :func:`gather_rows` gathers the
 rows at given indices into one batch: a pytree whose leaves have the indices as
 their leading dimension.
 
+Data that needs a collate function (token sequences of different lengths, a
+random masking collator) is :class:`Collated`: its items are read and collated
+per micro-batch, when a step uses them, so memory does not grow with the corpus
+and a random collator draws afresh at every step.
+
 Nothing here samples, pads or shuffles: which rows a step reads, and how they
 become fixed-shape micro-batches with a mask, is :mod:`dpfunc.data`'s.
 """
@@ -47,6 +52,7 @@ PyTree = Any
 
 __all__ = [
     "ACCEPTED_DATASETS",
+    "Collated",
     "as_dataset",
     "dataset_fingerprint",
     "dataset_size",
@@ -60,7 +66,8 @@ ACCEPTED_DATASETS = (
     "[x, y]; a map-style dataset (__len__ and __getitem__(int) returning tensors, numbers, "
     "numpy arrays or tuples/lists/dicts of them), e.g. a TensorDataset or a list of (x, y) "
     "examples; a DataLoader over one of these; or a Hugging Face datasets.Dataset with "
-    "numeric or image columns"
+    "numeric or image columns; or Collated(dataset, collate_fn) for items that a collate "
+    "function makes into batches (e.g. token ids of different lengths)"
 )
 """The accepted forms, in words: the end of every message that refuses a dataset's form."""
 
@@ -100,6 +107,8 @@ def as_dataset(dataset: Any) -> Any:
     """
     if isinstance(dataset, DataLoader):
         return _loader_dataset(dataset)
+    if isinstance(dataset, Collated):
+        return dataset
     if isinstance(dataset, Tensor):
         if dataset.dim() == 0:
             raise _refusal(ValueError, "dataset must have rows along dim 0, got a 0-d tensor")
@@ -181,6 +190,16 @@ def dataset_fingerprint(dataset: Any, rows: int = 64) -> str:
         tensors = [dataset]
     elif isinstance(dataset, tuple):
         tensors = list(dataset)
+    elif isinstance(dataset, Collated):  # raw items: token lists, strings, numbers
+        picks = sorted({round(k * (size - 1) / max(rows - 1, 1)) for k in range(rows)})
+        for i in picks if size else []:
+            for leaf in optree.tree_leaves(dataset[i]):
+                if isinstance(leaf, Tensor):
+                    leaf = leaf.detach().cpu().contiguous()
+                    digest.update(leaf.reshape(-1).view(torch.uint8).numpy().tobytes())
+                else:
+                    digest.update(repr(leaf).encode())
+        return digest.hexdigest()
     else:
         picks = sorted({round(k * (size - 1) / max(rows - 1, 1)) for k in range(rows)})
         tensors = [
@@ -221,6 +240,8 @@ def gather_rows(dataset: Any, indices: Tensor, count: int) -> PyTree:
         return tuple(t.index_select(0, indices.to(t.device)) for t in dataset)
     if isinstance(dataset, _HuggingFaceRows):
         return dataset.rows(indices)
+    if isinstance(dataset, Collated):
+        return dataset.collate(indices)
     return _gather_items(dataset, indices, count)
 
 
@@ -248,6 +269,116 @@ def _gather_items(dataset: Any, indices: Tensor, count: int) -> PyTree:
             )
         columns.append(collated)
     return optree.tree_unflatten(spec, columns)
+
+
+class Collated:
+    """A map-style dataset whose batches ``collate_fn`` makes, one micro-batch at a time.
+
+    ``Collated(dataset, collate_fn)`` is how data that needs a collate function
+    (token ids of different lengths, a tokenizer's padding, a masking collator
+    such as transformers' ``DataCollatorForLanguageModeling``) is given to
+    :class:`dpfunc.Trainer` and :class:`dpfunc.PrivateGradients`; ``PrivateTrainer``
+    reads its ``data_collator`` so.
+    When a step uses a micro-batch, its items are read (``dataset[i]``, or
+    ``dataset.__getitems__(indices)`` where the dataset has it, as a
+    ``DataLoader`` does) and ``collate_fn(items)`` makes the batch. So:
+
+    * memory holds one micro-batch of collated rows, never the corpus: a
+      memory-mapped ``datasets.Dataset`` of any size is read row by row;
+    * a random collator draws afresh at every step (from the global torch
+      generator, as in a ``DataLoader``'s worker-less loop: seed it, or
+      ``transformers.set_seed``, for a reproducible run). Its randomness need
+      not be secret: each example's loss, whatever mask it drew, is clipped
+      alone;
+    * a micro-batch is padded by the collator to its own longest example,
+      not the corpus's (``pad_to_multiple_of``, or the buckets of
+      ``PrivateTrainer``, keep the compiled shapes few).
+
+    The contract of ``collate_fn``: row ``i`` of every tensor it returns is
+    made from item ``i`` alone (padding, tokenising, masking, augmenting one
+    example), one row per item. A collator that packs several examples into a
+    row (transformers' ``DataCollatorWithFlattening``) is refused when its
+    output has fewer rows than items; one that mixes rows (mixup) cannot be
+    told apart from the output and voids the per-example guarantee: do it
+    inside the loss, per example, or not at all.
+
+    Args:
+        dataset: a map-style dataset: ``len(dataset)`` examples and
+            ``dataset[i]`` for ``0 <= i < len(dataset)`` (a ``datasets.Dataset``,
+            a torch ``Dataset`` with ``__len__``, a list of items).
+        collate_fn: ``collate_fn(list_of_items) -> batch``, a pytree of
+            tensors with one row per item.
+
+    Raises:
+        TypeError: ``dataset`` has no length or no random access (an
+            iterable), or ``collate_fn`` is not callable.
+    """
+
+    def __init__(self, dataset: Any, collate_fn: Any) -> None:
+        if isinstance(dataset, (DataLoader, Collated)):
+            raise TypeError(
+                f"Collated takes the dataset itself, got a {type(dataset).__name__}; pass its "
+                "dataset (loader.dataset) and the collate function"
+            )
+        if isinstance(dataset, IterableDataset) or not _is_indexable(dataset):
+            raise TypeError(
+                f"Collated needs a map-style dataset (__len__ and __getitem__), got a "
+                f"{type(dataset).__name__}: Poisson sampling reads any example by its index, "
+                "and the accountant needs the number of examples"
+            )
+        if not callable(collate_fn):
+            raise TypeError(
+                f"collate_fn must be callable, collate_fn(items) -> batch, got {collate_fn!r}"
+            )
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.dataset[i]
+
+    def collate(self, indices: Tensor) -> PyTree:
+        """``collate_fn`` of the items at ``indices``, after checking its rows.
+
+        Raises:
+            ValueError: a tensor of the batch has not one row per item (a
+                packing collator), naming the key and both sizes.
+            TypeError: the batch holds something other than tensors
+                (strings, lists), naming the key.
+        """
+        positions = indices.tolist()
+        getitems = getattr(self.dataset, "__getitems__", None)
+        if getitems is not None:
+            items = getitems(positions)
+        else:
+            items = [self.dataset[i] for i in positions]
+        batch = self.collate_fn(items)
+        if isinstance(batch, Mapping) and not isinstance(batch, dict):
+            batch = dict(batch)  # transformers' BatchEncoding: a dict with methods
+        paths, leaves, _ = optree.tree_flatten_with_path(batch)
+        for path, leaf in zip(paths, leaves):
+            key = ".".join(map(str, path)) or "the batch"
+            if not isinstance(leaf, Tensor):
+                raise TypeError(
+                    f"collate_fn returned {type(leaf).__name__} at {key!r}, not a tensor: every "
+                    "column a step reads must be a tensor with one row per example (drop the "
+                    "others in the collator or the dataset)"
+                )
+            if leaf.dim() == 0 or leaf.shape[0] != len(positions):
+                rows = leaf.shape[0] if leaf.dim() else "no"
+                raise ValueError(
+                    f"collate_fn returned {rows} rows at {key!r} for {len(positions)} examples: "
+                    "each example must be a row of its own, since each is clipped alone. A "
+                    "collator that packs examples into one row (transformers' "
+                    "DataCollatorWithFlattening, padding-free packing) is not supported: pad "
+                    "instead (DataCollatorWithPadding, DataCollatorForLanguageModeling)"
+                )
+        return batch
+
+    def __repr__(self) -> str:
+        return f"Collated({type(self.dataset).__name__} of {len(self)}, {self.collate_fn!r})"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -360,6 +491,17 @@ def _columns(tensors: tuple[Tensor, ...], kind: str) -> tuple[Tensor, ...]:
 
 def _loader_dataset(loader: DataLoader) -> Any:
     """The dataset behind ``loader``, after checking that ignoring the loader changes no example."""
+    if loader.collate_fn not in (default_collate, default_convert) and not isinstance(
+        loader.dataset, IterableDataset
+    ):
+        raise _refusal(
+            TypeError,
+            f"the DataLoader has a custom collate_fn ({loader.collate_fn!r}), which dpfunc "
+            "does not call unasked: it gathers fixed-shape micro-batches itself. To collate "
+            "each micro-batch with it, pass dpfunc.datasets.Collated(loader.dataset, "
+            "loader.collate_fn), whose contract is one row per example, made from that "
+            "example alone (padding, tokenising, masking; never mixup or packing)",
+        )
     dataset = as_dataset(loader.dataset)  # refuses an iterable dataset, with its reason
     sampler, batch_sampler = loader.sampler, loader.batch_sampler
     if type(sampler) not in (SequentialSampler, RandomSampler, DistributedSampler) or (
@@ -371,14 +513,6 @@ def _loader_dataset(loader: DataLoader) -> Any:
             f"the DataLoader's {type(chooser).__name__} may choose which examples are used, "
             "and dpfunc reads the loader's whole dataset with Poisson sampling; pass the "
             "examples to train on as a dataset, e.g. torch.utils.data.Subset(dataset, indices)",
-        )
-    if loader.collate_fn not in (default_collate, default_convert):
-        raise _refusal(
-            TypeError,
-            f"the DataLoader has a custom collate_fn ({loader.collate_fn!r}), which dpfunc "
-            "would not call: it gathers fixed-shape micro-batches itself, so ignoring the "
-            "collate_fn would train on other examples than the loader yields; do per-example "
-            "work in the dataset's __getitem__ and pass the dataset",
         )
     warnings.warn(
         f"dpfunc reads the DataLoader's dataset ({dataset_size(dataset)} examples) and not its "

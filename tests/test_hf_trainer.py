@@ -347,15 +347,74 @@ def test_other_refusals_name_what_to_use(tmp_path):
                        privacy=privacy())  # fmt: skip
 
 
-def test_a_random_masking_collator_is_said_to_draw_once(tmp_path):
-    class Masking:
-        mlm = True  # as transformers.DataCollatorForLanguageModeling(mlm=True)
+def test_each_micro_batch_is_collated_when_used_and_a_random_collator_draws_per_step(tmp_path):
+    calls = []
 
+    class Masking:  # draws a random mask per call, as DataCollatorForLanguageModeling(mlm=True)
         def __call__(self, features):
-            return pad(features)
+            batch = pad(features)
+            keep = torch.rand(batch["labels"].shape) < 0.5
+            calls.append((len(features), [f["input_ids"][:3] for f in features], keep))
+            batch["labels"] = torch.where(keep, batch["labels"], -100)
+            return batch
 
-    with pytest.warns(UserWarning, match="masks drawn now for the whole run"):
-        lm_trainer(tmp_path, data_collator=Masking())
+    trainer = lm_trainer(tmp_path, data_collator=Masking())
+    built = len(calls)
+    assert built == 1 and calls[0][0] <= 2  # one small batch checks the columns; nothing else
+    trainer.train()
+    used = calls[built:]
+    assert len(used) >= trainer.private.total_steps  # at least one micro-batch per step
+    assert all(n == 8 for n, _, _ in used)  # the physical batch, never the corpus (N = 48)
+    # an example drawn at two steps got two independent masks
+    seen = {}
+    for _, heads, keep in used:
+        for head, row in zip(heads, keep):
+            seen.setdefault(str(head), []).append(row[: len(head)])
+    again = [rows for rows in seen.values() if len(rows) > 1]
+    assert again and any(not torch.equal(rows[0], rows[1]) for rows in again)
+
+
+def test_micro_batches_are_padded_to_a_bucket_length_with_the_right_values():
+    from dpfunc.integrations.transformers import BucketPadding
+
+    padding = BucketPadding(pad, pad_token_id=7, max_length=16)
+    batch = padding([{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9]}, {"input_ids": [5, 6]}])
+    assert batch["input_ids"].shape == (2, 12)  # 9 tokens: the next bucket, 12
+    assert batch["input_ids"][0, 9:].tolist() == [7, 7, 7]
+    assert batch["attention_mask"][0].tolist() == [1] * 9 + [0] * 3
+    assert batch["labels"][1].tolist() == [5, 6] + [-100] * 10
+    left = BucketPadding(pad, pad_token_id=7, padding_side="left")
+    assert left([{"input_ids": [1] * 9}])["input_ids"][0, :3].tolist() == [7, 7, 7]
+
+    def odd(features):  # a sequence column whose padding value is unknown
+        batch = pad(features)
+        return {**batch, "positions": torch.zeros_like(batch["input_ids"])}
+
+    with pytest.warns(UserWarning, match="positions"):
+        kept = BucketPadding(odd, pad_token_id=0)([{"input_ids": [1] * 9}])
+    assert kept["input_ids"].shape == (1, 9)
+
+
+def test_a_packing_collator_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="DataCollatorWithFlattening.*clipped"):
+        lm_trainer(tmp_path, data_collator=transformers.DataCollatorWithFlattening())
+
+
+def test_block_packed_rows_are_warned_about(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    blocks = datasets.Dataset.from_list(
+        [{"input_ids": torch.randint(1, VOCAB, (8,), generator=g).tolist()} for _ in range(N)]
+    )
+    with pytest.warns(UserWarning, match="privacy unit is a block"):
+        PrivateTrainer(model=gpt2_lora(), args=arguments(tmp_path), train_dataset=blocks,
+                       data_collator=pad, privacy=privacy(), seed=1)  # fmt: skip
+
+
+def test_an_iterable_dataset_is_refused_with_dpfuncs_reason_first(tmp_path):
+    stream = datasets.Dataset.from_list([{"input_ids": [1, 2]}] * 4).to_iterable_dataset()
+    with pytest.raises(ValueError, match="Poisson sampling"):
+        PrivateTrainer(model=gpt2_lora(), args=arguments(tmp_path), train_dataset=stream,
+                       data_collator=pad, privacy=privacy(), seed=1)  # fmt: skip
 
 
 def test_hugging_faces_unaccounted_search_is_refused_for_dpfunc_tune(tmp_path):

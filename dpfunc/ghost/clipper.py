@@ -32,7 +32,7 @@ from ..clipping import ClippingPolicy, clipped_sum, per_sample_norms
 from ..losses import BatchedLoss
 from ..per_sample import per_sample_grads_and_losses
 from ..tree import Params, PyTree
-from .batched import batched_plan
+from .batched import batched_plan, mixed_precision
 from .hooks import install_hooks
 from .planner import GhostPlan, analyse, matmul_precision
 from .runtime import ghost_clip
@@ -184,10 +184,12 @@ def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPl
         example = _rebuild(skeleton, iter(t[0] for t in leaves))
         batch = _rebuild(skeleton, iter(leaves))
         plan = _analysed_plan(clipper, dict(zip(names, params)), example, batch)
-        if plan.batched and clipper.method == "auto" and not timed:  # compiled: shapes only
+        if plan.batched and mixed_precision(plan, dict(zip(names, params))):
+            pass  # autocast: the vmap path fails there (mixed_precision), the batched pass runs
+        elif plan.batched and clipper.method == "auto" and not timed:  # compiled: shapes only
             rows = _torch_tree_leaves(batch)[0].shape[0]
             plan = _cost_model(clipper, plan, dict(zip(names, params)), rows) or plan
-        if timed and plan.modules:
+        elif timed and plan.modules:
             params = dict(zip(names, params))
             plan = _faster_of(clipper, plan, params, batch, rows)
     clipper.plans[key] = plan

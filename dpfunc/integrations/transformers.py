@@ -44,10 +44,18 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import losses
 from ..config import DPConfig, SpeedConfig
-from ..losses import batched_loss
+from ..datasets import Collated
+from ..losses import IGNORE_INDEX, batched_loss
 from ..private import LogicalBatch, PrivateGradients
 
-__all__ = ["PRIVACY_REPORT", "PRIVACY_STATE", "PrivateTrainer", "per_example_loss"]
+__all__ = [
+    "PRIVACY_REPORT",
+    "PRIVACY_STATE",
+    "BucketPadding",
+    "PrivateTrainer",
+    "bucket_length",
+    "per_example_loss",
+]
 
 PRIVACY_STATE = "dpfunc_privacy.pt"
 """The file in each checkpoint that resumes the private run. SECRET: it holds the seed."""
@@ -117,6 +125,7 @@ class PrivateTrainer(transformers.Trainer):
         given = kwargs.get("args", args[1] if len(args) > 1 else None)
         if given is not None:  # before Trainer's __init__, which may reach the Hub
             _check_arguments(given)
+        _check_train_dataset(kwargs.get("train_dataset", args[3] if len(args) > 3 else None))
         super().__init__(*args, **kwargs)
         _check_arguments(self.args)
         if speed is not None and speed.physical_batch_size is not None:
@@ -128,12 +137,12 @@ class PrivateTrainer(transformers.Trainer):
             speed or SpeedConfig(), physical_batch_size=self.args.per_device_train_batch_size
         )
         head = loss or per_example_loss(self.model, self.args.label_smoothing_factor)
-        dataset = self._collated_train_dataset()
+        rows = self._train_rows()
         self.private = PrivateGradients(
             self.model,
             _model_loss(self.model, head),
-            _Columns(dataset),
-            config=self._planned(privacy, dataset),
+            rows,
+            config=self._planned(privacy, len(rows)),
             speed=speed,
             seed=seed,
         )
@@ -147,49 +156,47 @@ class PrivateTrainer(transformers.Trainer):
                 stacklevel=2,
             )
 
-    def _collated_train_dataset(self) -> dict[str, Tensor]:
-        """The training set as columns: every example through the data collator, once."""
+    def _train_rows(self) -> Collated:
+        """The training set, read and collated one micro-batch at a time when a step uses it.
+
+        Columns the model does not take are removed as ``transformers.Trainer``
+        removes them; each micro-batch goes through the data collator (afresh
+        at every step: random masks are drawn per step), then its sequence
+        columns are padded to one of a few lengths (:func:`bucket_length`).
+        One small batch is collated here, to check its columns.
+        """
         dataset = self.train_dataset
         if dataset is None:
             raise ValueError("PrivateTrainer trains on train_dataset, got None")
-        if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
-            raise ValueError(
-                f"train_dataset is a {type(dataset).__name__} without a length: Poisson sampling "
-                "includes each example with probability expected_batch_size / len(dataset); give "
-                "a map-style dataset (datasets.Dataset, a list, a torch Dataset with __len__)"
-            )
+        _check_train_dataset(dataset)
         collator = self.data_collator
         if _is_hf_dataset(dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        if getattr(self.data_collator, "mlm", False):
-            warnings.warn(
-                "the data collator masks tokens at random (mlm=True); the training set is "
-                "collated once, so each example keeps the masks drawn now for the whole run "
-                "(transformers.Trainer draws new ones each epoch)",
-                stacklevel=3,
-            )
-        columns = dict(collator([dataset[i] for i in range(len(dataset))]))
-        other = sorted(k for k, v in columns.items() if not isinstance(v, Tensor))
-        if other:
+        if isinstance(self.data_collator, transformers.DataCollatorWithFlattening):
             raise ValueError(
-                f"the collated training set has columns that are not tensors: {other}; the "
-                "model is called with every column of a batch: drop them (Dataset."
-                "remove_columns, or remove_unused_columns=True) or make the collator return "
-                "tensors"
+                "data_collator is a DataCollatorWithFlattening, which packs a batch's examples "
+                "into one row: each example must be a row of its own, since each is clipped "
+                "alone (per-document clipping on a packed row is not supported). Use "
+                "DataCollatorWithPadding or DataCollatorForLanguageModeling(mlm=False); "
+                "PrivateTrainer pads each micro-batch to its own length, so short examples "
+                "cost little"
             )
-        if "labels" not in columns:
-            raise ValueError(
-                f"the collated training set has no 'labels' (columns {sorted(columns)}): each "
-                "example's loss needs its labels (a 'label' or 'labels' column, or a collator "
-                "that makes them, such as DataCollatorForLanguageModeling)"
-            )
-        return columns
+        tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+        padded = BucketPadding(
+            collator,
+            pad_token_id=_pad_token_id(tokenizer, self.model),
+            padding_side=getattr(tokenizer, "padding_side", "right"),
+            max_length=_max_positions(self.model),
+        )
+        rows = Collated(dataset, padded)
+        _check_columns(rows)
+        _warn_if_blocks(dataset)
+        return rows
 
-    def _planned(self, privacy: DPConfig, dataset: dict[str, Tensor]) -> DPConfig:
+    def _planned(self, privacy: DPConfig, n: int) -> DPConfig:
         """``privacy`` with the epochs the ``TrainingArguments`` plan, or checked against them."""
-        n = len(dataset["labels"])
         per_epoch = privacy.steps_per_epoch(n)
         args, defaults = self.args, type(self.args)
         asked = args.max_steps / per_epoch if args.max_steps > 0 else args.num_train_epochs
@@ -456,19 +463,6 @@ def _check_arguments(args: Any) -> None:
         )
 
 
-class _Columns(torch.utils.data.Dataset):
-    """Equal-length tensor columns as a map-style dataset of dicts (one example per index)."""
-
-    def __init__(self, columns: dict[str, Tensor]):
-        self.columns = columns
-
-    def __len__(self) -> int:
-        return len(self.columns["labels"])
-
-    def __getitem__(self, i: int) -> dict[str, Tensor]:
-        return {key: column[i] for key, column in self.columns.items()}
-
-
 def _default(cls: type, name: str) -> Any:
     return next(field.default for field in dataclasses.fields(cls) if field.name == name)
 
@@ -479,3 +473,172 @@ def _is_hf_dataset(dataset: Any) -> bool:
     except ImportError:
         return False
     return isinstance(dataset, datasets.Dataset)
+
+
+# ------------------------------------------------------------------------- the training rows
+
+PAD_VALUES = {"attention_mask": 0, "labels": IGNORE_INDEX, "token_type_ids": 0,
+              "special_tokens_mask": 1}  # fmt: skip
+"""What each sequence column is padded with (``input_ids``: the tokenizer's pad token)."""
+
+
+def bucket_length(length: int, max_length: int | None = None) -> int:
+    """The padded length of a micro-batch whose longest example has ``length`` tokens.
+
+    The next of 8, 12, 16, 24, 32, 48, ... (powers of two and one and a half
+    times them), at most ``max_length`` (the model's positions) unless
+    ``length`` itself is longer: a compiled step sees a few lengths (two per
+    doubling), and a micro-batch is padded by at most half its length again.
+
+    >>> [bucket_length(n) for n in (1, 9, 13, 33, 500, 513)]
+    [8, 12, 16, 48, 512, 768]
+    >>> bucket_length(500, max_length=510)
+    510
+    """
+    size = 8
+    while size < length:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    if max_length is not None and size > max_length >= length:
+        return max_length
+    return size
+
+
+class BucketPadding:
+    """A data collator whose batches' sequence columns are then padded to :func:`bucket_length`.
+
+    The collator pads a micro-batch to its own longest example; this pads
+    it further, to a length from a small fixed set, so that the step meets
+    few shapes (each new one is planned, checked and, compiled, traced once).
+    ``input_ids`` take ``pad_token_id``, ``attention_mask`` 0, ``labels``
+    -100 (no loss), ``token_type_ids`` 0, ``special_tokens_mask`` 1, on the
+    tokenizer's padding side; the attention mask keeps the new positions out
+    of every example's loss. A batch without an ``attention_mask``, or with
+    another column of the sequence's length, is left as the collator made it
+    (a warning names the column once).
+    """
+
+    def __init__(
+        self, collator: Callable, *, pad_token_id: int, padding_side: str = "right",
+        max_length: int | None = None,
+    ):  # fmt: skip
+        self.collator = collator
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+        self.max_length = max_length
+        self._warned = False
+
+    def __call__(self, items: list) -> dict[str, Any]:
+        batch = dict(self.collator(items))
+        mask = batch.get("attention_mask")
+        if not isinstance(mask, Tensor) or mask.dim() != 2:
+            return batch
+        length = mask.shape[1]
+        target = bucket_length(length, self.max_length)
+        sequences = [
+            key
+            for key, value in batch.items()
+            if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] == length
+        ]
+        unknown = [key for key in sequences if key not in PAD_VALUES and key != "input_ids"]
+        if target == length or unknown:
+            if unknown and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"the collated batches have sequence columns {unknown} whose padding value "
+                    "is unknown; micro-batches keep the collator's own lengths (a compiled step "
+                    "compiles once per length)",
+                    stacklevel=2,
+                )
+            return batch
+        for key in sequences:
+            value = batch[key]
+            fill = self.pad_token_id if key == "input_ids" else PAD_VALUES[key]
+            extra = value.new_full((value.shape[0], target - length, *value.shape[2:]), fill)
+            parts = (extra, value) if self.padding_side == "left" else (value, extra)
+            batch[key] = torch.cat(parts, dim=1)
+        return batch
+
+    def __repr__(self) -> str:
+        return f"BucketPadding({self.collator!r})"
+
+
+def _check_train_dataset(dataset: Any) -> None:
+    if dataset is None:
+        return  # transformers' own error, or PrivateTrainer's when train_dataset is read
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise ValueError(
+            f"train_dataset is a {type(dataset).__name__} without a length: Poisson sampling "
+            "includes each example with probability expected_batch_size / len(dataset), so it "
+            "needs random access to every example and their number; give a map-style dataset "
+            "(datasets.Dataset, memory-mapped and read one micro-batch at a time; a list; a "
+            "torch Dataset with __len__)"
+        )
+
+
+def _check_columns(rows: Collated) -> None:
+    """Collates a batch of the first examples (its random draws undone) and checks its columns."""
+    n = min(2, len(rows))
+    with torch.random.fork_rng(devices=[]):
+        batch = rows.collate_fn([rows[i] for i in range(n)])
+    other = sorted(k for k, v in batch.items() if not isinstance(v, Tensor))
+    if other:
+        raise ValueError(
+            f"the collated training batches have columns that are not tensors: {other}; the "
+            "model is called with every column of a batch: drop them (Dataset."
+            "remove_columns, or remove_unused_columns=True) or make the collator return "
+            "tensors"
+        )
+    if "labels" not in batch:
+        raise ValueError(
+            f"the collated training batches have no 'labels' (columns {sorted(batch)}): each "
+            "example's loss needs its labels (a 'label' or 'labels' column, or a collator "
+            "that makes them, such as DataCollatorForLanguageModeling)"
+        )
+
+
+def _warn_if_blocks(dataset: Any, rows: int = 64) -> None:
+    """Warns when the training rows look like blocks cut from concatenated documents."""
+    size = len(dataset)
+    if size < 2:
+        return
+    picks = sorted({round(k * (size - 1) / (rows - 1)) for k in range(rows)})
+    lengths, unpadded = set(), True
+    for i in picks:
+        item = dataset[i]
+        ids = item.get("input_ids") if isinstance(item, dict) else None
+        if ids is None or isinstance(ids, str) or "label" in item:  # a classifier's examples
+            return
+        lengths.add(len(ids))
+        mask = item.get("attention_mask")
+        if mask is not None and not all(int(v) == 1 for v in mask):
+            unpadded = False
+    if len(lengths) == 1 and unpadded:
+        (length,) = lengths
+        warnings.warn(
+            f"every training row sampled holds exactly {length} tokens with no padding, as "
+            "block packing (concatenating documents and cutting blocks, e.g. group_texts) "
+            "makes: if so, the privacy unit is a block of tokens, not a document, and a "
+            "document spread over several blocks is protected as several examples, more weakly "
+            "than the printed epsilon says. For a document's guarantee, make each document one "
+            "example (truncated or split within itself only) or see docs/huggingface.md, "
+            '"Packing"',
+            stacklevel=4,
+        )
+
+
+def _pad_token_id(tokenizer: Any, model: nn.Module) -> int:
+    """The pad token's id: the tokenizer's, else the model config's, else 0 (masked anyway)."""
+    for source in (tokenizer, getattr(model, "config", None)):
+        value = getattr(source, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _max_positions(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
