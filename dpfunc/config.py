@@ -96,7 +96,10 @@ class DPConfig:
             ``1 / num_examples``.
         epochs: planned passes over the data: the Trainer runs
             ``round(epochs * steps_per_epoch)`` steps, and ``target_epsilon``
-            is calibrated for them (required with ``target_epsilon``).
+            is calibrated for them. ``target_epsilon`` needs them when the
+            run is planned (:meth:`calibrated`), unless the run's length is
+            set elsewhere: ``PrivateTrainer`` fills them in from its
+            ``TrainingArguments``.
         clipping: ``"flat"``, ``"per_layer"`` or ``"normalized"`` (see
             :func:`dpfunc.make_train_step`).
         target_quantile: ``None`` (fixed clipping) or ``gamma`` in (0, 1):
@@ -158,13 +161,8 @@ class DPConfig:
                          high_open=True)  # fmt: skip
         if self.delta is not None:
             check_number("delta", self.delta, low=0, high=1, low_open=True, high_open=True)
-        if self.epochs is not None:
+        if self.epochs is not None:  # with target_epsilon, calibrated() needs them
             check_number("epochs", self.epochs, low=0, low_open=True, high_open=True)
-        elif self.target_epsilon is not None:
-            raise ValueError(
-                "target_epsilon is calibrated for the planned steps, which epochs fixes; give "
-                f"epochs too, got target_epsilon={self.target_epsilon!r}, epochs=None"
-            )
         check_expected_batch_size(self.expected_batch_size)
         check_choice("clipping", self.clipping, CLIPPING_MODES)
         if self.clipping == "normalized" and math.isinf(clip):

@@ -209,9 +209,10 @@ def test_a_model_wrapped_after_the_trainer_was_built_is_refused(tmp_path):
 def test_a_second_train_call_does_not_train_again(tmp_path):
     trainer = lm_trainer(tmp_path)
     trainer.train()
-    after = trainable(trainer.model)
-    trainer.train()  # the plan is used up: the loop stops at once
-    assert trainer.private.steps_done == 3
+    after, logged = trainable(trainer.model), list(trainer.state.log_history)
+    with pytest.raises(RuntimeError, match="3 private steps.*resume_from_checkpoint"):
+        trainer.train()  # transformers' loop would restart at step 0, and log a fake run
+    assert trainer.private.steps_done == 3 and trainer.state.log_history == logged
     assert all(torch.equal(p, after[n]) for n, p in trainable(trainer.model).items())
 
 
@@ -484,3 +485,53 @@ if __name__ == "__main__":  # one rank of test_two_gloo_ranks_equal_one_process
     out = sys.argv[1]
     result = run_for_ranks(os.path.join(out, f"run{os.environ['RANK']}"))
     torch.save(result, os.path.join(out, f"rank{os.environ['RANK']}.pt"))
+
+
+def test_step_based_arguments_are_said_to_count_logical_steps(tmp_path):
+    args = arguments(tmp_path, eval_strategy="steps", eval_steps=40, warmup_steps=3)
+    with pytest.warns(UserWarning, match=r"eval_steps=40.*warmup_steps=3.*logical steps") as got:
+        lm_trainer(tmp_path, args=args, eval_dataset=texts())
+    message = next(str(w.message) for w in got if "logical steps" in str(w.message))
+    assert "batch of 16 examples" in message and "per_device_train_batch_size=8" in message
+    assert "An epoch is 3 steps, where transformers.Trainer would take 6" in message
+    with warnings.catch_warnings():  # a physical batch equal to the expected one: nothing to say
+        warnings.simplefilter("error", UserWarning)
+        lm_trainer(tmp_path, args=arguments(tmp_path, per_device_train_batch_size=16))
+
+
+def test_the_length_of_the_run_has_one_answer_with_a_target_epsilon(tmp_path):
+    args = arguments(tmp_path, num_train_epochs=2)
+    with pytest.raises(ValueError, match="leave privacy.epochs out"):
+        lm_trainer(tmp_path, args=args, config=privacy(epochs=1.0))
+    # the advice, taken: a target epsilon is calibrated for the TrainingArguments' length
+    target = privacy(noise_multiplier=None, target_epsilon=3.0, epochs=None)
+    trainer = lm_trainer(tmp_path, args=args, config=target)
+    assert trainer.private.total_steps == 6  # 2 epochs of 3 steps
+    n, steps = trainer.private.num_examples, trainer.private.total_steps
+    spent = dpfunc.accounting.epsilon(trainer.private.noise_multiplier, B / n, steps, 1e-5)
+    assert spent <= 3.0
+
+
+def test_the_saved_report_names_the_step_of_the_weights_and_how_they_were_chosen(tmp_path):
+    args = arguments(tmp_path, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                     save_steps=1, load_best_model_at_end=True, num_train_epochs=2,
+                     metric_for_best_model="eval_loss", greater_is_better=True)  # fmt: skip
+    trainer = lm_trainer(tmp_path, args=args, eval_dataset=texts(),
+                         config=privacy(epochs=None))  # fmt: skip
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    report = json.loads((tmp_path / "final" / PRIVACY_REPORT).read_text())
+    saved = report["saved_weights"]
+    best = int(trainer.state.best_model_checkpoint.rsplit("-", 1)[-1])
+    assert saved["after_step"] == best and report["steps"] == 6
+    assert "eval_loss on the eval set" in saved["chosen_by"] and "private" in saved["chosen_by"]
+    config = trainer.private.config
+    assert saved["epsilon_of_its_steps"] == dpfunc.accounting.epsilon(
+        config.noise_multiplier, trainer.private.plan.sample_rate, best, 1e-5
+    )
+    assert saved["epsilon_of_its_steps"] <= report["epsilon"]
+    plain = lm_trainer(tmp_path / "plain")
+    plain.train()
+    plain.save_model(str(tmp_path / "plain"))
+    saved = json.loads((tmp_path / "plain" / PRIVACY_REPORT).read_text())["saved_weights"]
+    assert saved["after_step"] == 3 and saved["chosen_by"] == "the last step's weights"

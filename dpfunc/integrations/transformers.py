@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .. import losses
+from ..accounting import epsilon as _epsilon
 from ..config import DPConfig, SpeedConfig
 from ..datasets import Collated
 from ..losses import IGNORE_INDEX, batched_loss
@@ -147,6 +148,8 @@ class PrivateTrainer(transformers.Trainer):
             seed=seed,
         )
         self._batches: Any = None  # the private sampler's iterator, made at the first batch
+        self._loaded_best: str | None = None  # the checkpoint load_best_model_at_end loaded
+        self._warn_logical_steps(len(rows))
         if self.args.max_grad_norm > 0:
             warnings.warn(
                 f"max_grad_norm={self.args.max_grad_norm} is not used: it would clip the noisy "
@@ -215,6 +218,51 @@ class PrivateTrainer(transformers.Trainer):
                 "privacy.epochs out, and it follows the TrainingArguments)"
             )
         return privacy
+
+    def _warn_logical_steps(self, n: int) -> None:
+        """Warns, naming them, that the step-based arguments count logical batches."""
+        args, private = self.args, self.private
+        physical = args.per_device_train_batch_size * args.world_size
+        expected = private.config.expected_batch_size
+        if round(expected) == physical:
+            return
+        defaults = type(args)
+        named = {  # the ones set, as their strategies read them
+            steps: getattr(args, steps)
+            for steps, strategy in _STEP_ARGUMENTS.items()
+            if getattr(args, steps, None) not in (None, _default(defaults, steps))
+            and (strategy is None or str(getattr(args, strategy)).lower().endswith("steps"))
+        }
+        if not named:
+            return
+        settings = ", ".join(f"{key}={value}" for key, value in named.items())
+        warnings.warn(
+            f"{settings} count logical steps: each step of this run is one Poisson-sampled "
+            f"batch of {expected:g} examples on average (privacy.expected_batch_size), run as "
+            f"micro-batches of per_device_train_batch_size={args.per_device_train_batch_size}"
+            f"{f' on {args.world_size} processes' if args.world_size > 1 else ''}. An epoch "
+            f"is {private.steps_per_epoch} steps, where transformers.Trainer would take "
+            f"{math.ceil(n / physical)}; the run takes {private.total_steps}",
+            stacklevel=3,
+        )
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``: the private run, once (a resume goes on from its checkpoint).
+
+        Raises:
+            RuntimeError: this trainer has already taken private steps and no
+                checkpoint is named: ``Trainer`` would restart its loop at step 0
+                while the private run (its accountant, its sampler) is past it.
+        """
+        if self.private.steps_done and not resume_from_checkpoint:
+            raise RuntimeError(
+                f"this PrivateTrainer has taken {self.private.steps_done} private steps (epsilon "
+                f"{self.private.epsilon():.4g}); a second train() would restart "
+                "transformers.Trainer's loop at step 0 while the private run is at step "
+                f"{self.private.steps_done}. To continue a run, build a new PrivateTrainer "
+                "and call train(resume_from_checkpoint=...); for a new run, build a new one"
+            )
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: each trial trains on the private data, and no epsilon covers the choice.
@@ -319,8 +367,42 @@ class PrivateTrainer(transformers.Trainer):
         super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if self.args.should_save:
+            report = self.private.privacy_report().as_dict()
+            report["saved_weights"] = self._saved_weights()
             with open(os.path.join(output_dir, PRIVACY_REPORT), "w") as f:
-                json.dump(self.private.privacy_report().as_dict(), f, indent=2)
+                json.dump(report, f, indent=2)
+
+    def _saved_weights(self) -> dict[str, Any]:
+        """Which step's weights a save holds, their epsilon, and how they were chosen."""
+        private, args = self.private, self.args
+        step, chosen = private.steps_done, None
+        best = self._loaded_best
+        if best is not None:
+            step = int(os.path.basename(os.path.normpath(best)).rsplit("-", 1)[-1])
+            chosen = (
+                f"the checkpoint of step {step} ({best}), chosen by {args.metric_for_best_model} "
+                "on the eval set (load_best_model_at_end): the choice read the eval set, which "
+                "the epsilon does not cover if that set is private"
+            )
+        config = private.config
+        return {
+            "after_step": step,
+            "epsilon_of_its_steps": _epsilon(
+                config.accounted_noise_multiplier,
+                private.plan.sample_rate,
+                step,
+                config.delta,
+                config.accounting,
+                bands=config.bands,
+            ),  # fmt: skip
+            "chosen_by": chosen or "the last step's weights",
+            "note": "epsilon (above) covers every step of the run; the saved weights are a "
+            "function of the first after_step steps",
+        }
+
+    def _load_best_model(self) -> None:
+        super()._load_best_model()
+        self._loaded_best = self.state.best_model_checkpoint  # the weights are now its
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
         super()._save_checkpoint(model, trial)
@@ -342,6 +424,14 @@ class PrivateTrainer(transformers.Trainer):
 
 
 _LABELS = {"loss": "nonprivate/loss", "train_loss": "nonprivate/train_loss"}
+_STEP_ARGUMENTS = {
+    "logging_steps": "logging_strategy",
+    "eval_steps": "eval_strategy",
+    "save_steps": "save_strategy",
+    "warmup_steps": None,
+    "max_steps": None,
+}
+"""The TrainingArguments that count steps, with the strategy that reads each (if any)."""
 
 
 def per_example_loss(model: nn.Module, label_smoothing: float = 0.0) -> Head:
