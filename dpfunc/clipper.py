@@ -27,6 +27,10 @@ import torch
 from torch import Tensor
 
 from . import memory
+from ._activation_checkpointing import (
+    activation_checkpointing,
+    inside_transforms_without_input_grads,
+)
 from ._checks import check_devices
 from ._compiling import check_allow_rnn, recurrent_paths
 from .clipping import (
@@ -101,6 +105,7 @@ class Clipper:
 
     def __init__(self, loss_fn: LossFn, config: DPConfig, speed: SpeedConfig):
         self.loss_fn = loss_fn
+        self.model = speed.model
         self.clip_norm = float(config.clip_norm)
         self.clipping = config.clipping
         self.method = speed.method
@@ -163,11 +168,29 @@ class Clipper:
         if torch.compiler.is_compiling():
             return self._rows(params, batch, mask, clip, size)
         try:
-            if skip_padding and size and not bool(mask.all()):
-                return self._real_rows(params, batch, mask, clip)
-            return self._rows(params, batch, mask, clip, size)
+            with inside_transforms_without_input_grads(self.model):
+                if skip_padding and size and not bool(mask.all()):
+                    return self._real_rows(params, batch, mask, clip)
+                return self._rows(params, batch, mask, clip, size)
         except Exception as error:  # a misfit of data and model: the error says the fix
+            if activation_checkpointing(self.model) and not self._batched_ghost(params, batch):
+                raise RuntimeError(
+                    "the model checkpoints activations (gradient_checkpointing_enable()), "
+                    "which torch.func's vmap cannot differentiate (its saved-tensor hooks); "
+                    "only the batched ghost pass runs it: a loss marked with "
+                    "dpfunc.batched_loss (PrivateTrainer's is), method='ghost' or 'auto', "
+                    "model=model. Or disable checkpointing (gradient_checkpointing_disable())"
+                ) from error
             raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
+
+    def _batched_ghost(self, params: Params, batch: PyTree) -> bool:
+        """Whether this batch's plan is the batched ghost pass (eagerly; after the error)."""
+        if self.ghost is None:
+            return False
+        try:
+            return self.ghost.plan(params, batch).batched
+        except Exception:
+            return False
 
     def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
         """How each trainable parameter is clipped: ``"ghost"`` or ``"vmap: <why>"``."""

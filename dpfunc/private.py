@@ -383,16 +383,22 @@ class PrivateGradients(PlannedRun):
             whole = self.step_fn.full_params(self._state_for(params)) if sharded else params
             # the probe's dropout must not move the generators the steps' dropout draws from
             cuda = sorted({p.device.index or 0 for p in whole.values() if p.device.type == "cuda"})
+            outside = []
             try:
                 with (
                     torch.random.fork_rng(devices=cuda),
                     torch.enable_grad(),
                     fsdp_hooks_off(self.model) if sharded else nullcontext(),
                 ):
-                    loss = self.step_fn.loss_fn(dict(whole), example)
+                    # a leaf that requires grad in both calls' graphs is a tensor that outlives
+                    # the call (a parameter kept outside the model); one made in the forward
+                    # (enable_input_require_grads' embedding output) is new at each call
+                    first, second = (_grad_leaves(self.step_fn.loss_fn(dict(whole), example))
+                                     for _ in range(2))  # fmt: skip
+                    outside = [t for t in second if any(t is u for u in first)]
             except Exception:  # the step itself raises it, explained
-                loss = None
-            if isinstance(loss, Tensor) and loss.requires_grad:
+                pass
+            if outside:
                 raise ValueError(
                     "loss_fn reads a tensor that requires grad but is not a trainable parameter "
                     "of model (a head, an embedding or a temperature kept outside it): autograd "
@@ -562,6 +568,23 @@ class PrivateGradients(PlannedRun):
             f"noise_multiplier={self.noise_multiplier:.6g}, clip_norm={self.clip_norm:.6g}, "
             f"expected_batch_size={self.expected_batch_size:g})"
         )
+
+
+def _grad_leaves(loss: Any) -> list[Tensor]:
+    """The leaf tensors that requires-grad ``loss`` would accumulate a gradient into."""
+    if not isinstance(loss, Tensor) or loss.grad_fn is None:
+        return []
+    leaves, seen, stack = [], set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if isinstance(variable, Tensor):
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
 
 
 def _clone(leaf: Any) -> Any:

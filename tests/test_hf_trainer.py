@@ -314,14 +314,14 @@ REFUSED = {
     "torch_compile": True,
     "auto_find_batch_size": True,
     "neftune_noise_alpha": 5.0,
-    "activation_checkpointing": True,
     "include_num_input_tokens_seen": "all",
+    "activation_checkpointing_kwargs": {"use_reentrant": True},
 }
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_settings_that_change_the_accounting_or_the_update_are_refused(tmp_path, name):
-    args = arguments(tmp_path)
+    args = arguments(tmp_path, activation_checkpointing=name.startswith("activation"))
     setattr(args, name, REFUSED[name])
     with pytest.raises(ValueError, match=name):
         lm_trainer(tmp_path, args=args)
@@ -535,3 +535,18 @@ def test_the_saved_report_names_the_step_of_the_weights_and_how_they_were_chosen
     plain.save_model(str(tmp_path / "plain"))
     saved = json.loads((tmp_path / "plain" / PRIVACY_REPORT).read_text())["saved_weights"]
     assert saved["after_step"] == 3 and saved["chosen_by"] == "the last step's weights"
+
+
+def test_gradient_checkpointing_trains_as_without_it(tmp_path):
+    args = arguments(tmp_path / "a", max_steps=2)
+    plain = lm_trainer(tmp_path / "a", model=gpt2_lora(dropout=0.0), args=args,
+                       config=privacy(epochs=None))  # fmt: skip
+    plain.train()
+    args = arguments(tmp_path / "b", max_steps=2, gradient_checkpointing=True)
+    checkpointed = lm_trainer(tmp_path / "b", model=gpt2_lora(dropout=0.0), args=args,
+                              config=privacy(epochs=None))  # fmt: skip
+    checkpointed.train()
+    assert dpfunc._activation_checkpointing.activation_checkpointing(checkpointed.model)
+    ours, theirs = trainable(checkpointed.model), trainable(plain.model)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)

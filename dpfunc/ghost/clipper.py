@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves as _torch_tree_leaves
 
 from .. import memory
+from .._activation_checkpointing import activation_checkpointing
 from .._checks import check_devices, check_per_example
 from ..clipping import ClippingPolicy, clipped_sum, per_sample_norms
 from ..losses import BatchedLoss
@@ -184,8 +185,11 @@ def _plan_for(clipper: GhostClipper, skeleton, names, rows, *tensors) -> GhostPl
         example = _rebuild(skeleton, iter(t[0] for t in leaves))
         batch = _rebuild(skeleton, iter(leaves))
         plan = _analysed_plan(clipper, dict(zip(names, params)), example, batch)
-        if plan.batched and mixed_precision(plan, dict(zip(names, params))):
-            pass  # autocast: the vmap path fails there (mixed_precision), the batched pass runs
+        if plan.batched and (
+            mixed_precision(plan, dict(zip(names, params)))
+            or activation_checkpointing(clipper.model)
+        ):
+            pass  # autocast, checkpointing: the vmap path fails there, the batched pass runs
         elif plan.batched and clipper.method == "auto" and not timed:  # compiled: shapes only
             rows = _torch_tree_leaves(batch)[0].shape[0]
             plan = _cost_model(clipper, plan, dict(zip(names, params)), rows) or plan

@@ -18,6 +18,8 @@ accumulate in float32, and the sum of half parameters is returned in float32.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 from torch.func import grad, grad_and_value
@@ -59,6 +61,8 @@ class _Run:
         self.rules = rules
         self.batched = batched  # the batched pass: probes are [B, ...], outputs may broadcast
         self.inputs: dict[str, list] = {}
+        self.forward_done = False  # later calls are activation checkpointing's recomputation
+        self.without_grad: list[str] = []  # calls that ran with autograd off
 
     def _next_call(self, path: str) -> int:
         calls = self.inputs.setdefault(path, [])
@@ -74,8 +78,12 @@ class _Run:
         probes = self.probes.get(path)
         if probes is None or isinstance(probes[0], dict):  # dict: run_unrolled did the work
             return None
-        probe = probes[self._next_call(path)]
         x = module_input(args, kwargs)
+        if self.forward_done:  # activation checkpointing recomputes the call in the backward
+            return self._recomputed(path, x, output)
+        if not torch.is_grad_enabled():  # inside the model's own no_grad (reentrant checkpoint)
+            self.without_grad.append(path)
+        probe = probes[self._next_call(path)]
         shared = self.batched and output.shape[0] == 1 and output.shape[1:] == probe.shape[1:]
         if shared:
             # one output shared by the whole batch (position embeddings of position ids
@@ -91,6 +99,27 @@ class _Run:
             )
         self.inputs[path].append(x)
         return output + probe
+
+    def _recomputed(self, path: str, x: Any, output: Tensor) -> Tensor:
+        """The call again, as activation checkpointing recomputes it: the same probe added.
+
+        The gradient flows through the forward's own graph; the recomputation
+        only refills the tensors it saved, so it must run the same operations
+        (``output + probe``) and record nothing. The call is the one whose
+        recorded input equals ``x`` (the recomputation replays the forward
+        exactly, dropout included); calls with equal inputs give the same
+        per-example gradient in either order.
+        """
+        calls = self.inputs.get(path, [])
+        for k, seen in enumerate(calls):
+            same = isinstance(seen, Tensor) and isinstance(x, Tensor) and seen.shape == x.shape
+            if same and torch.equal(seen, x):
+                return output + self.probes[path][k]
+        raise RuntimeError(
+            f"dpfunc ghost clipping: module {path!r} was recomputed (activation checkpointing) "
+            "with an input that none of its calls in the forward had; use method='vmap' "
+            "without checkpointing for this model"
+        )
 
     def run_unrolled(self, path, module, args, kwargs):
         """A planned module that runs itself: its rule's forward, with a probe at every site."""
@@ -133,7 +162,7 @@ def batched_pass(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, ba
 
     probes = {m.path: tuple(probe(m, s) for s in m.probes) for m in plan.modules}
 
-    def run_loss(probes) -> tuple[Tensor, _Run]:
+    def total(probes):
         run = _Run(probes, hooks.rules, batched=True)
         hooks.ctx = run
         try:
@@ -142,27 +171,66 @@ def batched_pass(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, ba
             hooks.ctx = None
         check_losses(losses, rows)
         _check_all_ran(run, probes)
-        return losses, run
-
-    def total(probes):
-        losses, run = run_loss(probes)
         return losses.sum(), (losses, run.inputs)
 
     if eager:  # plain autograd: no functorch wrapping of every operation
-        with torch.enable_grad():
-            losses, run = run_loss(probes)
-            flat = [p for calls in probes.values() for p in calls]
-            grads = iter(torch.autograd.grad(losses.sum(), flat, allow_unused=True))
+        # Activation checkpointing recomputes a block in the backward, after the loss's
+        # functional_call has put the module's own parameters back: leaves that require
+        # grad here, like those, make the forward save what the recomputation saves.
+        # Only the probes' gradients are asked for; nothing accumulates into these leaves.
+        leaves = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in params.items()}
+        run = _Run(probes, hooks.rules, batched=True)
+        hooks.ctx = run  # through the backward too: activation checkpointing recomputes calls
+        try:
+            with torch.enable_grad():
+                losses = loss_fn.batched(leaves, batch)
+                check_losses(losses, rows)
+                _check_all_ran(run, probes)
+                _check_grad_enabled(run)
+                run.forward_done = True
+                flat = [p for calls in probes.values() for p in calls]
+                grads = iter(torch.autograd.grad(losses.sum(), flat, allow_unused=True))
+        finally:
+            hooks.ctx = None
+        with torch.no_grad():
             out_grads = {
-                path: tuple(torch.zeros(p.shape, dtype=p.dtype, device=p.device) if g is None
-                            else g for p, g in zip(calls, grads))
+                path: tuple(_probe_gradient(p, g) for p, g in zip(calls, grads))
                 for path, calls in probes.items()
-            }  # fmt: skip
+            }
+        losses = losses.detach()
         inputs = tree_map(lambda t: t.detach(), run.inputs)  # the graph is no longer needed
     else:
         out_grads, (losses, inputs) = grad(total, has_aux=True)(probes)
     example_axis = lambda tree: tree_map(lambda t: t.unsqueeze(1), tree)  # noqa: E731
     return (example_axis(out_grads), {}), losses.detach(), example_axis(inputs)
+
+
+def _probe_gradient(probe: Tensor, grad: Tensor | None) -> Tensor:
+    """A probe's output gradient (zeros where the loss does not depend on the call)."""
+    return (
+        torch.zeros(probe.shape, dtype=probe.dtype, device=probe.device) if grad is None else grad
+    )
+
+
+def _check_grad_enabled(run: _Run) -> None:
+    """Refuses planned calls that ran with autograd off inside the model.
+
+    Reentrant activation checkpointing (``use_reentrant=True``, transformers 4.x's
+    default) runs each block without a graph and backpropagates through its
+    recomputation on its own, out of reach of the probes' gradients: those
+    layers' per-example gradients would be lost without a word.
+    """
+    if run.without_grad:
+        paths = sorted(set(run.without_grad))
+        raise RuntimeError(
+            f"dpfunc ghost clipping: modules {paths[:3]}{'...' if len(paths) > 3 else ''} ran "
+            "with autograd off inside the model, as reentrant activation checkpointing "
+            "(use_reentrant=True, transformers 4.x's default) or a torch.no_grad() block runs "
+            "them; their per-example gradients cannot be taken. Checkpoint without reentrancy: "
+            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False}), or TrainingArguments(gradient_checkpointing_kwargs="
+            "{'use_reentrant': False})"
+        )
 
 
 def _check_all_ran(run: _Run, probes: dict) -> None:

@@ -523,10 +523,13 @@ def _check_arguments(args: Any) -> None:
             args.neftune_noise_alpha is not None,
             "its embedding noise is drawn inside the per-example pass, outside the private step",
         ),
-        "activation_checkpointing": (
-            getattr(args, "activation_checkpointing", False),
-            "the private step computes per-example gradients its own way; lower its memory "
-            "with per_device_train_batch_size or speed=dpfunc.SpeedConfig(memory_budget=...)",
+        "activation_checkpointing_kwargs": (
+            getattr(args, "activation_checkpointing", False)
+            and (getattr(args, "activation_checkpointing_kwargs", None) or {}).get(
+                "use_reentrant", False
+            ),
+            "reentrant checkpointing backpropagates through each block on its own, where the "
+            "per-example gradients cannot be taken; leave use_reentrant out (False)",
         ),
         "fsdp": (bool(args.fsdp), "shard with dpfunc.sharding instead (docs/sharded.md)"),
         "deepspeed": (bool(args.deepspeed), "DeepSpeed runs its own backward"),
