@@ -4,7 +4,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := test,bench,examples,secure,hf
+EXTRAS := test,bench,examples,secure,hf,trl
 WHEEL_VENV ?= build/wheel-venv
 WHEEL_TESTS ?= build/wheel-tests
 DOCS_VENV ?= build/docs-venv

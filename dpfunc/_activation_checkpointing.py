@@ -19,8 +19,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["activation_checkpointing", "inside_transforms_without_input_grads"]
-
 
 @contextlib.contextmanager
 def inside_transforms_without_input_grads(model: nn.Module | None) -> Iterator[None]:

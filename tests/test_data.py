@@ -814,3 +814,102 @@ def test_poisson_batches_default_to_a_fresh_secret_seed():
 def test_bad_arguments_raise_value_error_naming_them(call, name):
     with pytest.raises(ValueError, match=name):
         call()
+
+
+# -- Collated: items collated per micro-batch, when a step uses them ----------------------------
+
+
+class CountingTexts(torch.utils.data.Dataset):
+    """Token lists of different lengths; counts every item read."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(0)
+        self.lengths = torch.randint(1, 9, (n,), generator=g).tolist()
+        self.reads = 0
+
+    def __len__(self):
+        return len(self.lengths)
+
+    def __getitem__(self, i):
+        self.reads += 1
+        return {"ids": [i % 7 + 1] * self.lengths[i], "y": i % 2}
+
+
+def pad_texts(items):
+    longest = max(len(item["ids"]) for item in items)
+    ids = torch.tensor([item["ids"] + [0] * (longest - len(item["ids"])) for item in items])
+    return {"ids": ids, "y": torch.tensor([item["y"] for item in items])}
+
+
+def test_collated_data_is_read_per_micro_batch_and_padded_to_its_own_length():
+    from dpfunc.datasets import Collated
+
+    texts = CountingTexts(10_000)
+    batches = PoissonBatches(Collated(texts, pad_texts), 8 / 10_000, 4, seed=3)
+    assert texts.reads == 0  # nothing is read up front, whatever the size
+    micro, count = batches.logical_batch(0)
+    assert texts.reads == 4 * len(micro)  # the micro-batches' rows, padding included
+    indices = batches.indices(0).tolist()
+    for k, (batch, mask) in enumerate(micro):
+        real = indices[4 * k : 4 * k + 4]
+        assert batch["ids"].shape[0] == 4 and mask.sum() == len(real)
+        assert batch["ids"].shape[1] == max(texts.lengths[i] for i in real + [0] * (4 - len(real)))
+    assert count == len(indices)
+
+
+def test_collated_batches_must_have_one_tensor_row_per_item():
+    from dpfunc.datasets import Collated
+
+    def packing(items):  # every item in one row, as padding-free packing does
+        return {"ids": torch.tensor([sum((item["ids"] for item in items), [])])}
+
+    with pytest.raises(ValueError, match=r"1 rows at 'ids' for 2 examples.*packs"):
+        micro_batches(Collated(CountingTexts(5), packing), [0, 1], 2)
+    with pytest.raises(TypeError, match="at 'ids.*not a tensor"):
+        micro_batches(Collated(CountingTexts(5), lambda items: {"ids": items}), [0, 1], 2)
+    with pytest.raises(TypeError, match="map-style"):
+        Collated(iter([1, 2]), pad_texts)
+    with pytest.raises(TypeError, match="callable"):
+        Collated(CountingTexts(5), None)
+
+
+def test_a_loader_with_a_collate_fn_points_to_collated():
+    loader = DataLoader(CountingTexts(5), batch_size=2, collate_fn=pad_texts)
+    with pytest.raises(TypeError, match=r"Collated\(loader.dataset, loader.collate_fn\)"):
+        as_dataset(loader)
+
+
+def test_private_gradients_on_collated_data_equal_those_on_padded_columns():
+    from dpfunc.datasets import Collated
+
+    texts = CountingTexts(40)
+    embed = torch.nn.Embedding(8, 3)
+    head = torch.nn.Linear(3, 2)
+    model = torch.nn.Sequential(embed, head)
+
+    def loss(params, example):  # the mean embedding of the non-zero ids: padding is ignored
+        vectors = torch.func.functional_call(model[0], {"weight": params["0.weight"]},
+                                             (example["ids"],))  # fmt: skip
+        kept = (example["ids"] != 0).unsqueeze(-1)
+        pooled = (vectors * kept).sum(0) / kept.sum().clamp(min=1)
+        logits = pooled @ params["1.weight"].T + params["1.bias"]
+        return torch.nn.functional.cross_entropy(logits[None], example["y"][None])
+
+    padded = pad_texts([texts[i] for i in range(len(texts))])
+    grads = []
+    for data in (Collated(texts, pad_texts), (padded["ids"], padded["y"])):
+        fn = (
+            loss
+            if isinstance(data, Collated)
+            else (lambda params, example: loss(params, {"ids": example[0], "y": example[1]}))
+        )
+        private = dpfunc.PrivateGradients(model, fn, data, expected_batch_size=8, clip_norm=0.1,
+                                          noise_multiplier=0.0, delta=1e-5, epochs=1,
+                                          physical_batch_size=4, seed=5, method="vmap")  # fmt: skip
+        (batch,) = private.batches(1)
+        private.backward(batch)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        private.close()
+        model.zero_grad(set_to_none=True)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-6, atol=1e-8)

@@ -550,3 +550,44 @@ def test_gradient_checkpointing_trains_as_without_it(tmp_path):
     ours, theirs = trainable(checkpointed.model), trainable(plain.model)
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
+
+
+def word_tokenizer():
+    """A word-level tokenizer built in code (no download): trl's SFTTrainer needs one."""
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["the", "a", "cat", "dog", "sat", "ran", "on", "mat", "log", "fast", "slow", "red"]
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    model = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    model.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=model, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(words[int(i)] for i in torch.randint(0, len(words), (int(n),), generator=g))
+             for n in torch.randint(3, 12, (N,), generator=g)]  # fmt: skip
+    return tokenizer, datasets.Dataset.from_dict({"text": texts})
+
+
+def test_trls_sft_trainer_is_made_private_by_the_documented_mixin(tmp_path):
+    trl = pytest.importorskip("trl", reason="needs the 'trl' extra")
+
+    class PrivateSFTTrainer(PrivateTrainer, trl.SFTTrainer):  # docs/huggingface.md, "trl"
+        pass
+
+    tokenizer, texts = word_tokenizer()
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=3,
+                    max_grad_norm=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                    logging_steps=1, max_length=32)  # fmt: skip
+    privacy = dpfunc.DPConfig(expected_batch_size=16, clip_norm=1.0, noise_multiplier=1.0,
+                              delta=1e-5)  # fmt: skip
+    trainer = PrivateSFTTrainer(model=gpt2_lora(), args=trl.SFTConfig(**settings),
+                                train_dataset=texts, processing_class=tokenizer,
+                                privacy=privacy)  # fmt: skip
+    before = trainable(trainer.model)
+    trainer.train()
+    assert trainer.private.steps_done == 3 and "epsilon" in trainer.state.log_history[-1]
+    assert any(not torch.equal(p, before[n]) for n, p in trainable(trainer.model).items())
+    packing = trl.SFTConfig(**settings, packing=True)  # padding-free: examples share a row
+    with pytest.raises(ValueError, match="packs examples together"):
+        PrivateSFTTrainer(model=gpt2_lora(), args=packing, train_dataset=texts,
+                          processing_class=tokenizer, privacy=privacy)  # fmt: skip

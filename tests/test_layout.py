@@ -250,8 +250,9 @@ STEP_METHODS = STEP_DOORS | {"init", "compile", "explain", "draw_noise", "full_p
 STEP_METHOD_MAX_LINES = 40
 # ceilings, not targets: a new public name is a decision, made here
 TOP_LEVEL_NAMES = 39  # dpfunc.__all__
-# every public module's __all__ together, dpfunc's own (260: tune.Best, what a search releases)
-PUBLIC_NAMES = 260
+# every public module's __all__ together, dpfunc's own (260: tune.Best, what a search releases;
+# 263: datasets.Collated, per-step collation, and PrivateTrainer's BucketPadding, bucket_length)
+PUBLIC_NAMES = 263
 
 
 def test_the_train_step_has_two_doors_and_the_gradient_only_one():

@@ -41,7 +41,7 @@ from .hooks import GhostHooks
 from .planner import GhostPlan
 from .runtime import ghost_clip
 
-__all__ = ["batched_plan", "compute_dtype", "layout_problem", "mixed_precision"]
+__all__ = ["batched_plan", "layout_problem"]
 
 # relative agreement asked of the batched pass, by the dtype the model computes in: both passes
 # carry the same rounding bounds and differ only in the order of float sums and in the

@@ -673,6 +673,17 @@ def _check_columns(rows: Collated) -> None:
     n = min(2, len(rows))
     with torch.random.fork_rng(devices=[]):
         batch = rows.collate_fn([rows[i] for i in range(n)])
+    packed = sorted(k for k, v in batch.items() if isinstance(v, Tensor) and v.dim()
+                    and v.shape[0] != n)  # fmt: skip
+    if n > 1 and packed:
+        shown = "input_ids" if "input_ids" in packed else packed[0]
+        raise ValueError(
+            f"the data collator ({type(rows.collate_fn.collator).__name__}) made {n} examples "
+            f"into {batch[shown].shape[0]} row(s) of {shown!r}: it packs examples together "
+            "(padding-free packing: DataCollatorWithFlattening, trl's SFTConfig(packing=True) "
+            "or padding_free=True). Each example must be a row of its own, since each is "
+            "clipped alone: pad instead (PrivateTrainer pads each micro-batch to its own length)"
+        )
     other = sorted(k for k, v in batch.items() if not isinstance(v, Tensor))
     if other:
         raise ValueError(
