@@ -4,7 +4,7 @@ Run from the repository root:
 
     .venv/bin/python bench/hf_scale.py                 # the whole table (about an hour, 2 cores)
     .venv/bin/python bench/hf_scale.py --quick         # a smoke run at a small size
-    .venv/bin/python bench/hf_scale.py --only corpus   # the corpus rows alone
+    .venv/bin/python bench/hf_scale.py --only corpus   # the corpus rows alone (or runs, long)
 
 **Step time and memory.** The model is GPT-2 small's config (12 layers, ``n_embd`` 768,
 12 heads, vocabulary 50257, 1024 positions, random initialisation, dropout 0) under
@@ -15,10 +15,15 @@ with ``per_device_train_batch_size=8``; ``private`` is ``PrivateTrainer`` with
 ``expected_batch_size=64`` and the same physical batch of 8 (a logical step is about 8
 micro-batches), ``method="auto"``. Each runs in fp32 and in bf16 (``bf16=True``:
 autocast), with activation checkpointing off and on (``gradient_checkpointing=True``).
-The ratio compares time per example: a private step's time over the examples it drew,
-against a plain step's over its 8, both after warm-up steps (the private run's first
-step plans and checks each shape). Peak memory is the process's peak resident set
+The ratio compares time per example: one private step's time over the examples it
+drew (the step after the first, which plans and checks each shape), against six plain
+steps' over their 8 each (after two). Peak memory is the process's peak resident set
 (``ru_maxrss``); every run is a fresh process.
+
+**Activation checkpointing at T = 1024.** The same model on 2048 sequences of 1024
+tokens, one step each in fp32: ``plain`` with a batch of 4, ``private`` with
+``expected_batch_size=8`` in micro-batches of 4 (its first step, with the plan and
+the batched check); peak resident memory with checkpointing off and on.
 
 **A corpus larger than memory.** 1,000,000 rows of 512 int32 tokens in an Arrow file
 (``datasets.Dataset``, memory-mapped: 2 GB on disk), trained by ``PrivateTrainer`` on a
@@ -44,6 +49,11 @@ RUNS = {
     f"{kind}_{precision}_{'ckpt' if ckpt else 'nockpt'}": (kind, precision, ckpt)
     for kind in ("plain", "private")
     for precision in ("fp32", "bf16")
+    for ckpt in (False, True)
+}
+LONG = {  # activation checkpointing's memory at T = 1024: one step, fp32
+    f"t1024_{kind}_{'ckpt' if ckpt else 'nockpt'}": (kind, "fp32", ckpt)
+    for kind in ("plain", "private")
     for ckpt in (False, True)
 }
 
@@ -89,10 +99,10 @@ def one_run(name: str, quick: bool) -> dict:
 
     warnings.simplefilter("ignore")
     transformers.logging.set_verbosity_error()
-    kind, precision, ckpt = RUNS[name]
-    width, layers, heads, vocab, longest = (
-        (64, 2, 2, 1000, 64) if quick else (768, 12, 12, 50257, 512)
-    )
+    kind, precision, ckpt = {**RUNS, **LONG}[name]
+    long = name in LONG
+    size = (64, 2, 2, 1000, 64) if quick else (768, 12, 12, 50257, 1024 if long else 512)
+    width, layers, heads, vocab, longest = size
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=vocab, n_embd=width, n_layer=layers, n_head=heads,
                                      n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -100,11 +110,15 @@ def one_run(name: str, quick: bool) -> dict:
     lora = peft.LoraConfig(r=16, target_modules=["c_attn"], fan_in_fan_out=True)
     model = peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora)
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(longest * 2 // 5, longest + 1, (2048,), generator=g)
+    shortest = longest if long else longest * 2 // 5
+    lengths = torch.randint(shortest, longest + 1, (2048,), generator=g)
     rows = [{"input_ids": torch.randint(1, vocab, (int(n),), generator=g).tolist()}
             for n in lengths]  # fmt: skip
     private = kind == "private"
-    warmup, measured = (1, 2) if private else (2, 6)
+    warmup, measured = (1, 1) if private else (2, 6)
+    physical, expected = (4, 8) if long else (8, 64)
+    if long:
+        warmup, measured = 0, 1
     stamps: list[float] = []
 
     class Clock(transformers.TrainerCallback):
@@ -115,7 +129,7 @@ def one_run(name: str, quick: bool) -> dict:
             stamps.append(time.perf_counter())
 
     args = transformers.TrainingArguments(
-        output_dir="/tmp/dpfunc-bench-hf-scale", per_device_train_batch_size=8,
+        output_dir="/tmp/dpfunc-bench-hf-scale", per_device_train_batch_size=physical,
         max_steps=warmup + measured, learning_rate=1e-4, lr_scheduler_type="constant",
         max_grad_norm=0.0, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
         bf16=precision == "bf16", gradient_checkpointing=ckpt,
@@ -124,8 +138,8 @@ def one_run(name: str, quick: bool) -> dict:
                   callbacks=[Clock()])  # fmt: skip
     sizes: list[int] = []
     if private:
-        privacy = dpfunc.DPConfig(expected_batch_size=64, clip_norm=1.0, noise_multiplier=1.0,
-                                  delta=1e-5)  # fmt: skip
+        privacy = dpfunc.DPConfig(expected_batch_size=expected, clip_norm=1.0,
+                                  noise_multiplier=1.0, delta=1e-5)  # fmt: skip
         trainer = PrivateTrainer(**common, privacy=privacy)
         backward = trainer.private.backward
 
@@ -138,7 +152,7 @@ def one_run(name: str, quick: bool) -> dict:
         trainer = transformers.Trainer(**common)
     trainer.train()
     times = [end - begin for begin, end in zip(stamps[::2], stamps[1::2])]
-    examples = sizes[warmup:] if private else [8] * measured
+    examples = sizes[warmup:] if private else [physical] * measured
     per_example = sum(times[warmup:]) / sum(examples)
     return {"seconds_per_example": per_example, "first_step_s": times[0],
             "median_step_s": statistics.median(times[warmup:]), "examples": sum(examples),
@@ -225,6 +239,25 @@ def table(results: dict, corpus: dict | None) -> str:
                 f"{plain['peak_mb']:.0f} | {private['peak_mb']:.0f} | "
                 f"{private['peak_mb'] / plain['peak_mb']:.2f}x | {private['first_step_s']:.1f} |"
             )
+    long = {name: results[name] for name in LONG if name in results}
+    if long:
+        lines += [
+            "",
+            "Activation checkpointing at T = 1024 (fp32; one step: the plain one of 4 "
+            "sequences, the private one of 8 expected in micro-batches of 4, its first step "
+            "with the plan and the check): peak resident memory, MB.",
+            "",
+            "| run | checkpointing off | on | saved |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        for kind in ("plain", "private"):
+            off, on = long.get(f"t1024_{kind}_nockpt"), long.get(f"t1024_{kind}_ckpt")
+            if off and on:
+                saved = off["peak_mb"] - on["peak_mb"]
+                lines.append(
+                    f"| {kind} | {off['peak_mb']:.0f} | {on['peak_mb']:.0f} | "
+                    f"{saved:.0f} ({saved / off['peak_mb']:.0%}) |"
+                )
     if corpus:
         lines += [
             "",
@@ -241,7 +274,7 @@ def table(results: dict, corpus: dict | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["runs", "corpus"])
+    parser.add_argument("--only", choices=["runs", "long", "corpus"])
     parser.add_argument("--out", default=str(Path(__file__).parent))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a run, in this process
     options = parser.parse_args()
@@ -256,8 +289,9 @@ def main() -> None:
     out = Path(options.out)
     stored = out / "hf_scale.json"
     saved = json.loads(stored.read_text()) if stored.exists() and options.only else {}
-    names = [] if options.only == "corpus" else list(RUNS)
-    names += [] if options.only == "runs" else ["corpus"]
+    names = list(RUNS) if options.only in (None, "runs") else []
+    names += list(LONG) if options.only in (None, "long") else []
+    names += ["corpus"] if options.only in (None, "corpus") else []
     for name in names:
         command = [sys.executable, __file__, "--one", name] + (["--quick"] if options.quick else [])
         done = subprocess.run(command, capture_output=True, text=True)
@@ -265,11 +299,12 @@ def main() -> None:
             raise RuntimeError(f"{name} failed:\n{done.stderr[-3000:]}")
         saved[name] = json.loads(done.stdout.strip().splitlines()[-1])
         print(name, saved[name], flush=True)
+        if not options.quick:  # kept as it comes: a long table survives an interruption
+            out.mkdir(parents=True, exist_ok=True)
+            stored.write_text(json.dumps(saved, indent=2) + "\n")
     runs = {k: v for k, v in saved.items() if k != "corpus"}
     text = table(runs, saved.get("corpus"))
     if not options.quick:
-        out.mkdir(parents=True, exist_ok=True)
-        stored.write_text(json.dumps(saved, indent=2) + "\n")
         (out / "hf_scale.md").write_text(text)
     print(text)
 

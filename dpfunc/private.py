@@ -572,8 +572,10 @@ class PrivateGradients(PlannedRun):
 
 def _grad_leaves(loss: Any) -> list[Tensor]:
     """The leaf tensors that requires-grad ``loss`` would accumulate a gradient into."""
-    if not isinstance(loss, Tensor) or loss.grad_fn is None:
+    if not isinstance(loss, Tensor) or not loss.requires_grad:
         return []
+    if loss.grad_fn is None:  # the loss is itself a leaf
+        return [loss]
     leaves, seen, stack = [], set(), [loss.grad_fn]
     while stack:
         node = stack.pop()

@@ -591,3 +591,12 @@ def test_trls_sft_trainer_is_made_private_by_the_documented_mixin(tmp_path):
     with pytest.raises(ValueError, match="packs examples together"):
         PrivateSFTTrainer(model=gpt2_lora(), args=packing, train_dataset=texts,
                           processing_class=tokenizer, privacy=privacy)  # fmt: skip
+
+
+def test_the_logged_noise_norm_is_what_the_noise_alone_gives(tmp_path):
+    trainer = lm_trainer(tmp_path, config=privacy(noise_multiplier=50.0))  # noise dominates
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
+    entries = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert logged and all(e["noise_norm"] == 50.0 * 1.0 / B * math.sqrt(entries) for e in logged)
+    assert all(abs(e["grad_norm"] / e["noise_norm"] - 1) < 0.1 for e in logged)

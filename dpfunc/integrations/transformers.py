@@ -356,11 +356,25 @@ class PrivateTrainer(transformers.Trainer):
         return None  # each example is clipped by the private step; the average is not
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """``Trainer.log`` with ``epsilon`` added and the non-private training loss labelled."""
+        """``Trainer.log`` with ``epsilon`` added and the non-private training loss labelled.
+
+        Beside ``grad_norm`` (the norm of the private gradient, noise included),
+        ``noise_norm`` is the norm the noise alone has, ``sigma * C * sqrt(d) /
+        B`` for ``d`` trainable entries (a public constant): a ``grad_norm``
+        close to it is mostly noise (docs/huggingface.md, "Choosing the settings").
+        """
         logs = {_LABELS.get(key, key): value for key, value in logs.items()}
         if self.private.steps_done:
             logs["epsilon"] = self.private.epsilon()
+            if "grad_norm" in logs:
+                logs["noise_norm"] = self._noise_norm()
         super().log(logs, start_time)
+
+    def _noise_norm(self) -> float:
+        private = self.private
+        entries = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        std = private.noise_multiplier * private.clip_norm / private.expected_batch_size
+        return std * math.sqrt(entries)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``, with :data:`PRIVACY_REPORT` beside the model."""
