@@ -4,7 +4,8 @@ Run from the repository root:
 
     .venv/bin/python bench/hf_scale.py                 # the whole table (about an hour, 2 cores)
     .venv/bin/python bench/hf_scale.py --quick         # a smoke run at a small size
-    .venv/bin/python bench/hf_scale.py --only corpus   # the corpus rows alone (or runs, long)
+    .venv/bin/python bench/hf_scale.py --only corpus   # the corpus rows alone (or runs, long,
+                                                       # or one run by name)
 
 **Step time and memory.** The model is GPT-2 small's config (12 layers, ``n_embd`` 768,
 12 heads, vocabulary 50257, 1024 positions, random initialisation, dropout 0) under
@@ -274,7 +275,8 @@ def table(results: dict, corpus: dict | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["runs", "long", "corpus"])
+    parser.add_argument("--only", choices=["runs", "long", "corpus", *RUNS, *LONG],
+                        help="one group of rows, or one run by name")  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).parent))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a run, in this process
     options = parser.parse_args()
@@ -292,6 +294,7 @@ def main() -> None:
     names = list(RUNS) if options.only in (None, "runs") else []
     names += list(LONG) if options.only in (None, "long") else []
     names += ["corpus"] if options.only in (None, "corpus") else []
+    names += [options.only] if options.only in {**RUNS, **LONG} else []
     for name in names:
         command = [sys.executable, __file__, "--one", name] + (["--quick"] if options.quick else [])
         done = subprocess.run(command, capture_output=True, text=True)

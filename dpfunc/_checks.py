@@ -189,12 +189,48 @@ BATCH_NORMS = (torch.nn.modules.batchnorm._BatchNorm,)  # normalise over the bat
 
 
 def check_per_example(module: torch.nn.Module) -> None:
-    """Raises ``ValueError`` if a submodule of ``module`` mixes examples of a batch."""
+    """Raises ``ValueError`` if a submodule of ``module`` mixes examples or keeps what it reads.
+
+    Refused, each with its path and what to use instead:
+
+    - BatchNorm of any dimension (affine or not, in any mode): it
+      normalises over the batch, so one example's gradient depends on the
+      others and DP-SGD cannot bound it;
+    - InstanceNorm with ``track_running_stats=True``: in training mode its
+      forward writes running statistics of the data into its buffers,
+      which no noise covers and ``state_dict`` ships;
+    - ``Embedding`` and ``EmbeddingBag`` with ``max_norm``: the forward
+      renormalises the rows the batch looks up, in place, so the weights
+      move with the data outside the private gradient.
+
+    Cheap (one walk over the modules): the private runs call it at every
+    step, so a module added after a run was built is refused too.
+    """
     for path, sub in module.named_modules():
+        where = f"module {path!r}" if path else "the root module"
         if isinstance(sub, BATCH_NORMS):
-            where = f"module {path!r}" if path else "the root module"
             raise ValueError(
                 f"{where} is {type(sub).__name__}, which normalises over the batch, so "
                 "one example's gradient depends on the others and DP-SGD cannot bound "
                 "it. Call dpfunc.replace_batchnorm(model) to swap in GroupNorm."
+            )
+        if isinstance(sub, torch.nn.modules.instancenorm._InstanceNorm) and (
+            sub.track_running_stats
+        ):
+            raise ValueError(
+                f"{where} is {type(sub).__name__}(track_running_stats=True): in training mode "
+                "its forward writes running statistics of the data into its buffers, which "
+                "no noise covers and the model's state_dict ships. Use "
+                "track_running_stats=False (the default), which normalises each example "
+                "by its own statistics in every mode"
+            )
+        if isinstance(sub, torch.nn.Embedding | torch.nn.EmbeddingBag) and (
+            sub.max_norm is not None
+        ):
+            raise ValueError(
+                f"{where} is {type(sub).__name__}(max_norm={sub.max_norm!r}): its forward "
+                "renormalises the rows a batch looks up, in place, so the weights move "
+                "with the data outside the private gradient (clipped and noised). Leave "
+                "max_norm out (None); to bound the embeddings, clip or project them after "
+                "each optimizer step, which reads only the released weights"
             )

@@ -148,9 +148,28 @@ def as_dataset(dataset: Any) -> Any:
             f"dataset is a {type(dataset).__name__}, whose len() counts keys or characters, "
             "not examples; pass columns as a tuple, e.g. (x, y)",
         )
+    if isinstance(dataset, list) and _lists_of_one_length(dataset):
+        k, m = len(dataset), len(dataset[0])
+        raise _refusal(
+            ValueError,
+            f"dataset is a list of {k} lists that all have length {m}, which reads two ways: "
+            f"as {k} examples of {m} values each, or as {k} columns of {m} examples (like "
+            "[x.tolist(), y.tolist()]). Say which: columns as a tuple of tensors, e.g. "
+            "(torch.tensor(xs), torch.tensor(ys)); examples as a list of tuples, e.g. "
+            "list(zip(xs, ys)), or one tensor of rows, torch.tensor(rows)",
+        )
     if _is_indexable(dataset):
         return dataset
     raise _refusal(TypeError, f"dataset of type {type(dataset).__name__} is not a dataset")
+
+
+def _lists_of_one_length(dataset: list) -> bool:
+    """Whether ``dataset`` holds 2 or more lists, all of one length (columns or examples?)."""
+    return (
+        len(dataset) >= 2
+        and all(type(item) is list for item in dataset)
+        and len({len(item) for item in dataset}) == 1
+    )
 
 
 def dataset_size(dataset: Any) -> int:

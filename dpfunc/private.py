@@ -35,7 +35,6 @@ holds the secret seed) and several processes: see docs/own-loop.md.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -45,11 +44,11 @@ from typing import Any, NamedTuple
 import optree
 import torch
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import checkpoint as _checkpoint
 from . import optim
-from ._checks import check_choice, check_int
+from ._checks import check_choice, check_int, check_per_example
+from ._grad_guard import GradGuard
 from ._plan import PlannedRun, RunPlan
 from .config import DPConfig, SpeedConfig, settings_from
 from .data import MicroBatch
@@ -181,13 +180,12 @@ class PrivateGradients(PlannedRun):
         self._issued: list[MicroBatch] | None = None  # the sampler's batch of the next step
         self._yielded: LogicalBatch | None = None  # the copy of it batches() yielded
         self._yielded_versions: list[tuple[int, int]] = []  # its tensors (id, version) then
-        self._written: dict[str, Tensor] = {}  # the private gradient each p.grad must be
-        self._applied = True  # an optimizer stepped the last private gradient (or none yet)
-        self._tainted: set[str] = set()  # written gradients autograd has added to since
         self._released = 0  # private gradients this object wrote (loading one's own: refused)
-        self._in_backward = False
         self._closed = False
-        self._guard = _Guard(self)
+        self._guard = GradGuard(model, self._trainable)  # p.grad is the private step's alone
+        # a compiled loop body calls backward as is (a graph break; it compiles its own step).
+        # Here, not as a decorator: the decorator would import Dynamo with dpfunc
+        self.backward = torch.compiler.disable(self.backward)
 
     def batches(self, steps: int | None = None) -> Iterator[LogicalBatch]:
         """Yields the next logical batches, from step :attr:`steps_done` on.
@@ -235,7 +233,9 @@ class PrivateGradients(PlannedRun):
         OVERWRITTEN, not added to; frozen parameters are not touched. The
         step is accounted before anything is written, empty batches too.
         Runs under the caller's autocast, if any. Distributed: collective,
-        and every rank gets the same gradient.
+        and every rank gets the same gradient. Inside a function given to
+        ``torch.compile`` it runs eagerly (a graph break): the step compiles itself
+        with ``compile=True``.
 
         Returns the step's metrics as floats (:func:`dpfunc.summarize`:
         loss, batch size, clipped fraction, non-finite examples, norm
@@ -267,26 +267,25 @@ class PrivateGradients(PlannedRun):
             raise RuntimeError("this PrivateGradients is closed (close()): build a new one")
         self._check_yielded(batch, t)
         self.plan.check_next_step(t)
+        check_per_example(self.model)  # a BatchNorm added since the build, too
         params = self._live_params()
         if not self._released:
             self._check_first_step(params)
-        self._clear_frozen()
-        self._warn_unapplied(t)
+        GradGuard.clear_frozen(self.model)
+        self._guard.warn_unapplied(t)
         state = self._state_for(params)
         noise = self._draw_noise(params, t)
         metrics: dict[str, float] = {}
-        self._in_backward = True
+        self._guard.writing = True
         try:
             with fsdp_hooks_off(self.model) if self.step_fn.sharded else nullcontext():
                 private, state, _ = self.step_fn.logical_gradient(
                     state, self._issued, noise, before_release=self._before_release(t, metrics)
                 )
         finally:
-            self._in_backward = False
-        for name, p in self._trainable:
-            p.grad = _like(p, private[name].to(p.dtype))
-            self._written[name] = p.grad
-        self._applied, self._tainted = False, set()
+            self._guard.writing = False
+        written = {name: _like(p, private[name].to(p.dtype)) for name, p in self._trainable}
+        self._guard.write(written, step=t)
         self._released += 1
         _TRAINED[self.model] = (list(self.plan.lineage), self._released, self.accountant)
         self.state = state._replace(params=params)
@@ -316,41 +315,6 @@ class PrivateGradients(PlannedRun):
                 "sampler's own batch, and a changed copy says the caller meant another. Leave "
                 "the batch as yielded; transform examples (augmentation, moving to a device) "
                 "inside loss_fn"
-            )
-
-    def _warn_unapplied(self, t: int) -> None:
-        """Warns when the last private gradient is about to be overwritten without having been used.
-
-        Accumulating several logical batches into one optimizer step (a
-        habit from virtual steps) does not work here: each ``backward``
-        overwrites ``p.grad``, and each logical batch already has the
-        expected batch size. Privacy is not at stake (both were accounted);
-        the dropped gradient is.
-        """
-        if self._applied or not any(self._pending(name, p) for name, p in self._trainable):
-            return
-        warnings.warn(
-            f"the private gradient of step {t - 1} was never applied by an optimizer step: "
-            f"backward(batch) of step {t} overwrites it (gradients are not accumulated across "
-            "logical batches; each logical batch already has expected_batch_size examples, and "
-            "physical_batch_size sets the micro-batches). Call optimizer.step() after each "
-            "backward",
-            stacklevel=3,
-        )
-
-    def _clear_frozen(self) -> None:
-        """Clears the ``.grad`` of the model's frozen parameters (a stale one would be stepped)."""
-        stale = [name for name, p in self.model.named_parameters()
-                 if not p.requires_grad and p.grad is not None]  # fmt: skip
-        if stale:
-            for p in self.model.parameters():
-                if not p.requires_grad:
-                    p.grad = None
-            warnings.warn(
-                f"cleared the .grad of frozen parameters {stale[:5]}"
-                f"{'...' if len(stale) > 5 else ''}: PrivateGradients does not train them, and "
-                "an optimizer holding them would have moved them by that non-private gradient",
-                stacklevel=3,
             )
 
     def close(self) -> None:
@@ -384,6 +348,7 @@ class PrivateGradients(PlannedRun):
             # the probe's dropout must not move the generators the steps' dropout draws from
             cuda = sorted({p.device.index or 0 for p in whole.values() if p.device.type == "cuda"})
             outside = []
+            before = _moved_in_place(self.model, sharded)
             try:
                 with (
                     torch.random.fork_rng(devices=cuda),
@@ -398,6 +363,16 @@ class PrivateGradients(PlannedRun):
                     outside = [t for t in second if any(t is u for u in first)]
             except Exception:  # the step itself raises it, explained
                 pass
+            if moved := before():
+                raise ValueError(
+                    f"the model's forward changed {moved[:5]}{'...' if len(moved) > 5 else ''} "
+                    "in place, reading one example (the check before the first step): what a "
+                    "forward writes into the model's own state comes from the data with no "
+                    "noise, and the model would carry it out (state_dict, later outputs). "
+                    "Nothing was accounted and the buffers were put back as they were (a "
+                    "parameter cannot be: reload it). Keep the forward free of in-place "
+                    "updates (running statistics, caches, renormalised weights)"
+                )
             if outside:
                 raise ValueError(
                     "loss_fn reads a tensor that requires grad but is not a trainable parameter "
@@ -418,42 +393,6 @@ class PrivateGradients(PlannedRun):
                     "load its state_dict into this one before the first backward",
                     stacklevel=4,
                 )
-
-    def _pending(self, name: str, p: Tensor) -> bool:
-        """Whether ``p.grad`` is the private gradient of the last backward, as written."""
-        written = self._written.get(name)
-        return written is not None and p.grad is written and name not in self._tainted
-
-    def _foreign_grad(self, p: Tensor, name: str | None) -> str | None:
-        """Why ``p.grad`` must not be stepped, or ``None`` (an optimizer's pre-step check).
-
-        ``name``: ``p``'s name if it was trainable when this run was built,
-        ``None`` if it was frozen.
-        """
-        if p.grad is None:
-            return None
-        if name is not None and p.requires_grad:
-            if self._pending(name, p):
-                return None
-            return (
-                f"the .grad of trainable parameter {name!r} is not the private gradient "
-                "PrivateGradients.backward wrote (autograd's, after or before zero_grad, or one "
-                "set by hand): stepping it would train on the data without clipping or noise. "
-                "Call private.backward(batch) after any loss.backward(), then optimizer.step(); "
-                "to train outside DP-SGD, call private.close() first"
-            )
-        if p.requires_grad:
-            return (
-                "a parameter of the model that was frozen when PrivateGradients was built is "
-                "trainable now and holds a gradient PrivateGradients never wrote (gradual "
-                "unfreezing): stepping it would train it without clipping or noise. Build "
-                "PrivateGradients and the optimizer again after changing requires_grad"
-            )
-        return (
-            "a frozen parameter of the model holds a .grad that PrivateGradients did not "
-            "write: stepping it would move the parameter by a non-private gradient. Clear "
-            "it (p.grad = None) or call private.backward(batch), which clears it"
-        )
 
     def full_params(self) -> Params:
         """The model's whole trainable parameters now (detached; sharded: gathered, collective)."""
@@ -570,6 +509,32 @@ class PrivateGradients(PlannedRun):
         )
 
 
+def _moved_in_place(model: nn.Module, sharded: bool) -> Any:
+    """A check of what changes in ``model`` from now: a call that names what moved.
+
+    The call returns the names of the parameters and buffers written in
+    place since (their version counters moved), and puts back the
+    buffers' values (copied here: buffers are small; parameters are not
+    copied). A sharded model's parameters are left out (FSDP2 moves them).
+    """
+    parameters = [] if sharded else list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    versions = [t._version for _, t in parameters + buffers]
+    copies = [b.detach().clone() for _, b in buffers]
+
+    def moved() -> list[str]:
+        names = [f"{'parameter' if i < len(parameters) else 'buffer'} {name!r}"
+                 for i, ((name, t), version) in enumerate(zip(parameters + buffers, versions))
+                 if t._version != version]  # fmt: skip
+        if names:
+            with torch.no_grad():
+                for (_, b), copy in zip(buffers, copies, strict=True):
+                    b.copy_(copy)
+        return names
+
+    return moved
+
+
 def _grad_leaves(loss: Any) -> list[Tensor]:
     """The leaf tensors that requires-grad ``loss`` would accumulate a gradient into."""
     if not isinstance(loss, Tensor) or not loss.requires_grad:
@@ -597,94 +562,10 @@ def _tensors(tree: Any) -> list[Tensor]:
     return [leaf for leaf in optree.tree_leaves(tree) if isinstance(leaf, Tensor)]
 
 
-# ------------------------------------------------------------------ p.grad belongs to the step
-
-# id(parameter) -> (its run, held weakly; its name if trainable there, else None). Ids, not
-# weak references to the parameters (torch.utils.swap_tensors refuses tensors that have
-# one); a live run holds its model's parameters, so their ids stay theirs while it lives.
-_GUARDED: dict[int, tuple[Any, str | None]] = {}
-_GUARD_LOCK = threading.RLock()  # re-entered when a collection runs a finalizer inside it
-_OPTIMIZER_HOOK: list[Any] = []  # the handle of the one global optimizer pre-step hook
 # model -> (the lineage of the run that last wrote its gradients, the gradients it wrote, its
 # accountant): a record that outlives the run, so that a new run on a trained model is told
 # what its epsilon does not count
 _TRAINED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-class _Guard:
-    """Guards the ``.grad`` of a run's model until :meth:`remove` or the run is collected.
-
-    Each trainable parameter gets a tensor hook that refuses an autograd
-    gradient while it holds the private gradient not yet applied (once an
-    optimizer applied it, the gradient is let through and marked, so the
-    next step is refused until ``backward`` writes again); every
-    ``torch.optim`` optimizer gets one pre-step check (registered once,
-    globally) of the parameters of live runs. Both hold the run weakly.
-    """
-
-    def __init__(self, private: PrivateGradients):
-        run = weakref.ref(private)
-        self.params = list(private.model.parameters())  # their ids stay theirs
-        with _GUARD_LOCK:
-            for key in [k for k, (r, _) in list(_GUARDED.items()) if r() is None]:
-                _GUARDED.pop(key, None)
-            for p in self.params:
-                _GUARDED[id(p)] = (run, None)
-            names = dict(private._trainable)
-            for name, p in names.items():
-                _GUARDED[id(p)] = (run, name)
-            self.handles = [p.register_hook(_autograd_check(run, name, names))
-                            for name, p in names.items()]  # fmt: skip
-            if not _OPTIMIZER_HOOK:
-                _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(_check_before_step))
-        self._finalizer = weakref.finalize(private, _Guard._release, self.handles, self.params, run)
-
-    def remove(self) -> None:
-        self._finalizer()
-
-    @staticmethod
-    def _release(handles: list[Any], params: list[Tensor], run: Any) -> None:
-        for handle in handles:
-            handle.remove()
-        with _GUARD_LOCK:
-            for p in params:
-                if _GUARDED.get(id(p), (None,))[0] is run:
-                    _GUARDED.pop(id(p), None)
-        params.clear()
-
-
-def _autograd_check(run: Any, name: str, names: dict[str, Tensor]) -> Any:
-    def hook(grad: Tensor) -> None:
-        private = run()
-        if private is None or private._in_backward or not private._pending(name, names[name]):
-            return
-        if private._applied:  # already stepped: autograd may add to it, but it is not stepped
-            private._tainted.add(name)
-            return
-        raise RuntimeError(
-            f"autograd computed a gradient for {name!r}, whose .grad holds the private gradient "
-            f"of step {private.steps_done - 1}, not yet applied: a loss.backward() between "
-            "private.backward(batch) and optimizer.step() would add a non-private gradient to it "
-            "(in Opacus, step() replaced it; here nothing may). Compute a loss you only log "
-            "under torch.no_grad(), or call loss.backward() before private.backward(batch); to "
-            "train outside DP-SGD, call private.close() first"
-        )
-
-    return hook
-
-
-def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Refuses an optimizer step that would apply a gradient the private step did not write."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            run, name = _GUARDED.get(id(p), (None, None))
-            private = run() if run is not None else None
-            if private is None:  # (a live run holds p: the id is p's own)
-                continue
-            if (why := private._foreign_grad(p, name)) is not None:
-                raise RuntimeError(f"{type(optimizer).__name__}.step() refused: {why}")
-            if name is not None and p.grad is not None:
-                private._applied = True
 
 
 def _copy_rank0_model(model: nn.Module) -> None:

@@ -49,6 +49,10 @@ NOT_COVERED = (
     "and noise (no two continuations share a draw), so releasing two continuations of one "
     "checkpoint (a sweep from it, a rerun after a crash whose later steps were shown) composes "
     "their epsilons; each report covers its own continuation only",
+    "non-private metrics fed back into training: a learning-rate schedule, early stopping or "
+    "any choice driven by the non-private loss or by evaluation on private data (e.g. "
+    "ReduceLROnPlateau on the training loss) makes the run a function of data read without "
+    "noise; drive them by the step count, or by public or privately released values",
     "side channels of the training process (its timing, memory, the realised batch sizes)",
 )
 """What the guarantee of a report does not cover, in the words the report prints."""

@@ -434,7 +434,8 @@ class Best(NamedTuple):
     trial list tells how many trials there were at least, and the theorem
     covers the best trial's output only, with ``K`` hidden. (For Poisson ``K``
     of mean 5 and a Gaussian score of sensitivity 1 and std 1, releasing the
-    index with the best score raises delta at epsilon 3 from 5.5e-5 to 4.4e-2.)
+    index with the best score raises delta at epsilon 3 from 7.3e-3 to 4.4e-2,
+    both directions of the neighbouring relation.)
     """
 
     hyperparameters: dict
@@ -482,6 +483,14 @@ class RandomSearch:
             to the sum of each trial's validation values) or ``"public"``.
         score_noise_multiplier: the std of that noise, in examples (needed
             with ``score="private"``); accounted inside each trial.
+        validation_size: ``score="private"``: the public size the noisy sum
+            is divided by (the score is ``(sum + noise) / validation_size``),
+            which makes the score a post-processing of the Gaussian sum of
+            sensitivity 1 when validation examples are added or removed.
+            ``None``: the sum is divided by the number of values each trial
+            returns, which is exact only when the validation set's size is
+            public (examples replaced, never added or removed): under
+            add-or-remove the realised size itself moves the score.
         seed: ``None`` (a secret from the OS CSPRNG draws ``K``, the
             hyperparameters and the score noise) or an int: **research mode**,
             reproducible, and no privacy against whoever knows it.
@@ -527,6 +536,7 @@ class RandomSearch:
         shape: float = math.inf,
         score: str = "private",
         score_noise_multiplier: float | None = None,
+        validation_size: int | None = None,
         seed: int | None = None,
         checkpoint_path: str | os.PathLike | None = None,
         retries: int = 0,
@@ -537,6 +547,14 @@ class RandomSearch:
         self.mean_trials, self.shape = _check_count(mean_trials, shape)
         self.score = check_choice("score", score, SCORES)
         self.score_noise_multiplier = _check_score_noise(score, score_noise_multiplier)
+        if validation_size is not None:
+            check_int("validation_size", validation_size, minimum=1)
+            if score == "public":
+                raise ValueError(
+                    "score='public' takes the score as computed; leave validation_size out, "
+                    f"got validation_size={validation_size!r}"
+                )
+        self.validation_size = validation_size
         if seed is not None:
             check_seed(seed)
         self.seed_is_secret = seed is None
@@ -553,6 +571,8 @@ class RandomSearch:
         self.checkpoint_path = checkpoint_path
         if checkpoint_path is not None:
             self._open_checkpoint(checkpoint_path)
+            # absolute from here: a trial that changes the working directory must not move it
+            self.checkpoint_path = os.path.abspath(checkpoint_path)
 
     # -- accounting ---------------------------------------------------------------------
 
@@ -726,6 +746,7 @@ class RandomSearch:
             types.MappingProxyType(dict(hyperparameters)), self._trial_config(hyperparameters), seed
         )
         steps = self._check_outcome(outcome, index, seed)
+        _check_result(outcome.result, outcome.run, index)
         state["scores"][index] = self._score(outcome.metric, index, attempt)
         state["steps"][index] = steps
         best = state["best"]
@@ -787,10 +808,13 @@ class RandomSearch:
                 )
             return float(metric)
         values = torch.as_tensor(metric, dtype=torch.float64).detach().cpu()
-        if values.dim() != 1 or values.numel() == 0:
+        if values.dim() != 1 or values.numel() < 2:
             raise ValueError(
                 f"trial {index}: with score='private' Outcome.metric holds each validation "
-                f"example's value in [0, 1], 1-D and not empty, got shape {tuple(values.shape)}"
+                "example's value in [0, 1], 1-D, one per example, got shape "
+                f"{tuple(values.shape)}: a single value would be read as a validation set of "
+                "one example, whose noisy score is noise (an accuracy of the whole set is "
+                "passed as the per-example values it averages)"
             )
         size = self._state["validation_size"]
         if size is not None and values.numel() != size:
@@ -801,7 +825,7 @@ class RandomSearch:
         self._state["validation_size"] = values.numel()
         total = torch.nan_to_num(values, nan=0.0).clamp(0.0, 1.0).sum().item()  # sensitivity 1
         noisy = total + self.score_noise_multiplier * self._score_noise(index, attempt)
-        return noisy / values.numel()
+        return noisy / (self.validation_size or values.numel())
 
     def _check_retries(self) -> None:
         """Voids the search once its interrupted attempts exceed the ``retries`` accounted."""
@@ -849,6 +873,7 @@ class RandomSearch:
             "shape": self.shape,
             "score": self.score,
             "score_noise_multiplier": self.score_noise_multiplier,
+            "validation_size": self.validation_size,
             "retries": self.retries,
             "seed_is_secret": self.seed_is_secret,
             "seed": None if self.seed_is_secret else self._secret,
@@ -955,6 +980,69 @@ def _check_score_noise(score: str, value: Any) -> float | None:
             "got None"
         )
     return check_number("score_noise_multiplier", value, low=0, low_open=True, high_open=True)
+
+
+def _check_result(result: Any, run: Any, index: int) -> None:
+    """Refuses a trial's ``result`` that would release what the search's epsilon does not cover.
+
+    The run itself, a dpfunc state dict or the run's seed (each holds the
+    secret with which the noise can be removed), and a tensor of the run's
+    training data (the same memory, or a copy of a whole column).
+    """
+    columns = _data_columns(run)
+    secret = getattr(run, "seed", None) if getattr(run, "seed_is_secret", False) else None
+
+    def visit(value: Any, where: str) -> None:
+        why = None
+        if hasattr(value, "accountant") and hasattr(value, "seed_is_secret"):
+            why = f"the trial's run itself ({type(value).__name__})"
+        elif isinstance(value, dict) and {"accountant", "lineage"} <= value.keys():
+            why = "a dpfunc state dict, which holds the run's secret seed"
+        elif isinstance(value, int | str) and secret is not None and str(secret) in str(value):
+            why = "the run's secret seed"
+        elif isinstance(value, torch.Tensor) and any(_same_data(value, c) for c in columns):
+            why = "a tensor of the training data"
+        if why is not None:
+            raise ValueError(
+                f"trial {index}: Outcome.result{where} is {why}, which the search would "
+                "release as covered by its epsilon, and it is not: result may hold the "
+                "trained model, its parameters, the hyperparameters and public values, "
+                "never the run, its state_dict, its seed, or training data"
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                visit(item, f"{where}[{key!r}]")
+        elif isinstance(value, list | tuple):
+            for k, item in enumerate(value):
+                visit(item, f"{where}[{k}]")
+
+    visit(result, "")
+
+
+def _data_columns(run: Any) -> list[torch.Tensor]:
+    """The tensors a run's training set is made of, where it is tensors (else none)."""
+    batches = getattr(getattr(run, "plan", None), "batches", None)
+    dataset = getattr(batches, "dataset", None)
+    if isinstance(dataset, torch.Tensor):
+        return [dataset]
+    if isinstance(dataset, tuple):
+        return [c for c in dataset if isinstance(c, torch.Tensor)]
+    return []
+
+
+def _same_data(value: torch.Tensor, column: torch.Tensor) -> bool:
+    """Whether ``value`` is ``column``'s memory, or a copy of the whole column."""
+    if (
+        value.numel()
+        and value.device == column.device
+        and value.untyped_storage().data_ptr() == column.untyped_storage().data_ptr()
+    ):
+        return True
+    return (
+        value.shape == column.shape
+        and value.dtype == column.dtype
+        and torch.equal(value.detach().cpu(), column.detach().cpu())
+    )
 
 
 def _rank(score: float) -> float:
@@ -1145,6 +1233,7 @@ def search(
     shape: float = math.inf,
     score: str = "private",
     score_noise_multiplier: float | None = None,
+    validation_size: int | None = None,
     seed: int | None = None,
     checkpoint_path: str | os.PathLike | None = None,
     retries: int = 0,
@@ -1158,8 +1247,8 @@ def search(
     """
     tuning = RandomSearch(
         space, config, num_examples, mean_trials=mean_trials, shape=shape, score=score,
-        score_noise_multiplier=score_noise_multiplier, seed=seed, checkpoint_path=checkpoint_path,
-        retries=retries,
+        score_noise_multiplier=score_noise_multiplier, validation_size=validation_size, seed=seed,
+        checkpoint_path=checkpoint_path, retries=retries,
     )  # fmt: skip
     try:
         return tuning.run(trial_fn)

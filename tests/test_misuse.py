@@ -575,3 +575,212 @@ def test_a_batched_loss_that_reduces_or_mixes_is_refused_before_anything_is_acco
         private.backward(next(iter(private.batches())))
     assert private.epsilon(1e-5) == 0.0
     assert all(p.grad is None for p in model.parameters())
+
+
+# ------------------------------------------------------------------ compiled and closure steps
+
+
+def test_a_step_with_a_closure_is_refused_before_the_closure_runs():
+    """LBFGS habit: step(closure), whose loss.backward() would be stepped un-noised."""
+    model = mlp()
+    private = private_for(model)
+    x, y = data()
+    for optimizer in (torch.optim.SGD(model.parameters(), lr=0.1),
+                      torch.optim.LBFGS(model.parameters(), lr=0.1)):  # fmt: skip
+        private.backward(next(private.batches(1)))
+        before = {name: p.detach().clone() for name, p in model.named_parameters()}
+        ran = []
+
+        def closure(optimizer=optimizer, ran=ran):
+            ran.append(True)
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        with pytest.raises(RuntimeError, match=r"step\(closure\) refused.*without a closure"):
+            optimizer.step(closure)
+        assert not ran
+        for name, p in model.named_parameters():
+            assert torch.equal(p.detach(), before[name]), name
+        if isinstance(optimizer, torch.optim.SGD):
+            optimizer.step()  # the control: the private gradient, without a closure
+            assert not torch.equal(model[0].weight.detach(), before["0.weight"])
+
+
+def test_a_compiled_optimizer_step_is_checked_at_every_call():
+    """PyTorch's recipe, torch.compile(optimizer.step): checked after tracing too."""
+    model, reference = mlp(), mlp()
+    private = private_for(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    step = torch.compile(optimizer.step)
+    eager = torch.optim.SGD(reference.parameters(), lr=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # each private gradient counts as applied
+        for batch in private.batches(3):
+            private.backward(batch)
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                q.grad = p.grad.clone()
+            step()
+            eager.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach())  # compiled, the same update
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    x, y = data()
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()  # the whole dataset, no clipping, no noise
+    with pytest.raises(RuntimeError, match="SGD.step.. refused.*not the private gradient"):
+        step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+
+
+# ------------------------------------------------------------------ what the forward moves
+
+
+def test_a_batchnorm_added_after_the_build_is_refused_at_the_next_backward():
+    """BatchNorm1d(affine=False) adds no parameter, so the live-parameter check passes."""
+    model = mlp()
+
+    @dpfunc.batched_loss
+    def losses(params, batch):
+        x, y = batch
+        return F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
+
+    private = dpfunc.PrivateGradients(
+        model, losses, data(), expected_batch_size=EXPECTED, clip_norm=CLIP,
+        noise_multiplier=1.0, delta=1e-5, epochs=2, method="ghost",
+    )  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    private.backward(next(private.batches(1)))  # the control: one step as built
+    optimizer.step()
+    model[1] = nn.Sequential(nn.BatchNorm1d(8, affine=False), nn.Tanh())  # no new parameter
+    with pytest.raises(ValueError, match="module '1.0' is BatchNorm1d.*replace_batchnorm"):
+        private.backward(next(private.batches(1)))
+    assert private.steps_done == 1
+    assert model[1][0].num_batches_tracked == 0  # no statistic of the data was kept
+
+
+@pytest.mark.parametrize(
+    "layer, match",
+    [
+        (nn.InstanceNorm1d(8, track_running_stats=True), "track_running_stats=True.*running"),
+        (nn.Embedding(10, 8, max_norm=1.0), r"max_norm=1.0.*renormalises the rows"),
+    ],
+    ids=["instance-norm-running-stats", "embedding-max-norm"],
+)
+def test_a_layer_that_writes_the_data_into_its_state_is_refused_before_any_forward(layer, match):
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer, self.head = layer, nn.Linear(8, 3)
+
+        def forward(self, x):
+            if isinstance(self.layer, nn.Embedding):
+                return self.head(self.layer(x).mean(-2))
+            return self.head(self.layer(x[..., None].expand(*x.shape, 4)).mean(-1))
+
+    model = Model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 10, (40, 8), generator=g)
+    x = x if isinstance(layer, nn.Embedding) else x.float()
+    rows = (x, torch.randint(0, 3, (40,), generator=g))
+
+    def loss_fn(params, example):
+        inputs, y = example
+        return F.cross_entropy(functional_call(model, params, (inputs[None],)), y[None])
+
+    settings = dict(expected_batch_size=8.0, clip_norm=1.0, noise_multiplier=1.0, delta=1e-5,
+                    epochs=1, method="vmap")  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        dpfunc.PrivateGradients(model, loss_fn, rows, **settings)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, state[name]), name
+    model.layer = nn.Identity() if not isinstance(layer, nn.Embedding) else nn.Embedding(10, 8)
+    private = dpfunc.PrivateGradients(model, loss_fn, rows, **settings)  # the control
+    private.backward(next(private.batches(1)))
+    model.layer = layer  # put back after the build
+    with pytest.raises(ValueError, match=match):
+        private.backward(next(private.batches(1)))
+    assert private.steps_done == 1
+
+
+def test_a_forward_that_updates_its_own_state_is_refused_and_put_back():
+    """A custom layer keeping a running mean of its inputs: caught at the first step's check."""
+
+    class RunningMean(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(5))
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.detach().reshape(-1, 5).mean(0))
+            return x - self.mean
+
+    model = nn.Sequential(RunningMean(), mlp())
+    private = private_for(model, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"(?s)changed \[\"buffer '0.mean'\"\] in place.*put back"):
+        private.backward(next(private.batches(1)))
+    assert torch.equal(model[0].mean, torch.zeros(5))
+    assert private.epsilon(1e-5) == 0.0
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ------------------------------------------------------------------ errors that name the fix
+
+
+def test_random_augmentation_in_a_batched_loss_is_named_as_such():
+    model = mlp()
+
+    @dpfunc.batched_loss
+    def augmented(params, batch):
+        x, y = batch
+        x = x + 0.1 * torch.randn_like(x)  # per-example noise, drawn inside the loss
+        return F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
+
+    private = dpfunc.PrivateGradients(
+        model, augmented, data(), expected_batch_size=EXPECTED, clip_norm=CLIP,
+        noise_multiplier=1.0, delta=1e-5, epochs=2, method="ghost",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="draws random numbers.*Augment in the dataset"):
+        private.backward(next(private.batches(1)))
+    assert private.epsilon(1e-5) == 0.0
+
+
+def test_a_list_of_two_lists_is_not_read_as_two_examples():
+    x, y = data()
+    model = mlp()
+    with pytest.raises(ValueError, match=r"list of 2 lists that all have length 60.*two ways"):
+        dpfunc.PrivateGradients(model, loss_for(model), [x.tolist(), y.tolist()],
+                                expected_batch_size=EXPECTED, clip_norm=CLIP,
+                                noise_multiplier=1.0, delta=1e-5, epochs=1)  # fmt: skip
+    rows = list(zip(x, y))  # the control: a list of (x, y) examples
+    private = dpfunc.PrivateGradients(
+        model, loss_for(model), rows, expected_batch_size=EXPECTED, clip_norm=CLIP,
+        noise_multiplier=1.0, delta=1e-5, epochs=1,
+    )  # fmt: skip
+    assert private.num_examples == 60
+
+
+def test_a_compiled_loop_body_runs_the_private_step_eagerly():
+    """torch.compile around backward and step: the same update as the loop written plainly."""
+    results = []
+    for compiled in (False, True):
+        model = mlp()
+        private = private_for(model, noise_multiplier=1.0, seed=5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def body(batch, private=private, optimizer=optimizer):
+            private.backward(batch)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        run = torch.compile(body) if compiled else body
+        for batch in private.batches(2):
+            run(batch)
+        results.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        assert private.steps_done == 2
+    for name, p in results[0].items():
+        torch.testing.assert_close(results[1][name], p)

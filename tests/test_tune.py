@@ -9,6 +9,7 @@ milliseconds; ``test_a_real_search_with_the_trainer`` runs the Trainer itself.
 
 import dataclasses
 import math
+import os
 import warnings
 
 import dp_accounting
@@ -405,7 +406,7 @@ def test_malformed_outcomes_are_refused():
         search.run(lambda h, c, s: 0.5)
     with pytest.raises(TypeError, match="Trainer"):
         search.run(lambda h, c, s: Outcome(object(), [1.0]))
-    with pytest.raises(ValueError, match="1-D and not empty"):
+    with pytest.raises(ValueError, match="1-D, one per example"):
         search.run(lambda h, c, s: Outcome(FakeRun(c, s), []))
 
 
@@ -718,3 +719,81 @@ def test_a_canary_audit_of_the_whole_search_stays_under_its_epsilon():
             lambda data: train(data, weak, next(searches)).params, canary, runs=10,
             keep_size=True)  # fmt: skip
         assert dpfunc.audit.epsilon_lower_bound(*broken, delta=1e-5) > claimed
+
+
+# -- what a search releases is what it accounts ---------------------------------------------
+
+
+def test_a_relative_checkpoint_path_stays_put_when_a_trial_changes_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+    def wandering(hyperparameters, config, seed):
+        folder = tmp_path / f"trial{len(os.listdir(tmp_path))}"
+        folder.mkdir()
+        os.chdir(folder)  # a trial that works in a folder of its own
+        return Outcome(FakeRun(config, seed), torch.rand(40))
+
+    search = RandomSearch({}, CONFIG, N, mean_trials=4, shape=1.0, score_noise_multiplier=3.0,
+                          seed=3, checkpoint_path="search.pt")  # fmt: skip
+    result = search.run(wandering)
+    search.close()
+    saved = torch.load(tmp_path / "search.pt", weights_only=True)
+    assert [s is not None for s in saved["state"]["scores"]] == [True] * len(result.trials)
+    assert not [p for p in tmp_path.rglob("search.pt") if p.parent != tmp_path]
+
+
+def test_a_private_metric_of_one_element_is_refused():
+    search = RandomSearch({}, CONFIG, N, mean_trials=2, shape=1.0, score_noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="shape \\(1,\\).*validation set of one example"):
+        search.run(lambda h, c, s: Outcome(FakeRun(c, s), torch.tensor([0.93])))
+
+
+def test_a_declared_validation_size_divides_the_noisy_sum():
+    """Under add-or-remove, the realised size is private: the score divides by a constant."""
+    values = torch.ones(50)  # the trial returns 50 values; the declared size is 100
+    search = RandomSearch({}, CONFIG, N, mean_trials=400, score_noise_multiplier=5.0, seed=11,
+                          validation_size=100)  # fmt: skip
+    trials = search.run(lambda h, c, s: Outcome(FakeRun(c, s), values)).trials
+    scores = np.array([t.score for t in trials])
+    assert stats.kstest((scores - 0.5) / 0.05, "norm").pvalue > 1e-3  # 50 / 100, not 50 / 50
+    with pytest.raises(ValueError, match="validation_size"):
+        RandomSearch({}, CONFIG, N, mean_trials=2, score="public", validation_size=100)
+
+
+@pytest.mark.parametrize("leak", ["run", "state_dict", "seed", "data", "data_copy"])
+def test_a_result_that_releases_the_secret_or_the_data_is_refused(leak):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, generator=generator)
+    y = (x[:, 0] > 0).long()
+    model = nn.Linear(5, 2)
+
+    def trial(hyperparameters, config, seed):
+        params, buffers = dpfunc.functionalize(model)
+
+        def loss_fn(params, example):
+            xi, yi = example
+            logits = functional_call(model, (params, buffers), (xi.unsqueeze(0),))
+            return F.cross_entropy(logits, yi.unsqueeze(0))
+
+        trainer = dpfunc.Trainer(loss_fn, params, (x, y), config=config, seed=seed,
+                                 optimizer=dpfunc.optim.sgd(lr=0.5), progress=False)  # fmt: skip
+        trainer.fit()
+        result = {
+            "run": trainer, "state_dict": dpfunc.checkpoint.state_dict(trainer),
+            "seed": trainer.seed, "data": x, "data_copy": [x.clone()],
+            "params": dict(trainer.params),
+        }  # fmt: skip
+        keep = {"params": result["params"]} if leak is None else {leak: result[leak]}
+        return Outcome(trainer, torch.ones(50), keep)
+
+    config = dpfunc.DPConfig(clip_norm=1.0, expected_batch_size=50, epochs=1,
+                             noise_multiplier=2.0, delta=1e-4)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=f"Outcome.result\\['{leak}'\\].*never the run"):
+            tune.search(trial, {}, config, 200, mean_trials=2, shape=1.0,
+                        score_noise_multiplier=2.0)  # fmt: skip
+        leak = None  # the control: the trained parameters
+        result = tune.search(trial, {}, config, 200, mean_trials=2, shape=1.0,
+                             score_noise_multiplier=2.0)  # fmt: skip
+    assert set(result.result) == {"params"}

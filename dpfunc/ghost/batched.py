@@ -155,6 +155,7 @@ def _compare(
         off = (got - want).abs() > rtol * want.abs() + floor
         off |= torch.isfinite(got) != torch.isfinite(want)
         if bool(off.any()):
+            _check_deterministic(loss_fn, hooks, plan, params, batch, mask, losses, rtol)
             i = int(off.nonzero()[0])
             raise ValueError(
                 f"the batched loss {loss_fn!r} mixes the examples of a batch: example {i}'s "
@@ -165,3 +166,28 @@ def _compare(
                 "negatives or other terms across examples, no layer that mixes examples. "
                 "A one-example loss (without dpfunc.batched_loss) cannot mix them"
             )
+
+
+def _check_deterministic(loss_fn, hooks, plan, params, batch, mask, losses, rtol) -> None:
+    """Raises if a second batched pass, with the generators moved on, gives other losses.
+
+    A loss that draws random numbers (an augmentation, noise) differs between
+    the batched and the one-example pass for that reason alone, and the
+    comparison cannot tell it from mixing.
+    """
+    policy = ClippingPolicy("flat")
+    _, again, _ = ghost_clip(
+        loss_fn, hooks, plan, params, batch, mask, clipping=policy, clip_norm=1.0
+    )
+    again, losses = again.detach().double(), losses.detach().double()
+    if bool(((again - losses).abs() > rtol * losses.abs()).any()):
+        raise ValueError(
+            f"the batched loss {loss_fn!r} draws random numbers (a per-example augmentation "
+            "or noise inside the loss: two calls on the same batch give other losses), so "
+            "the check that each example's loss reads that example only cannot run: the "
+            "batched and the one-example passes draw differently. Augment in the dataset "
+            "instead (a Dataset whose __getitem__ transforms the item, or a random collator "
+            "with dpfunc.datasets.Collated: read afresh at every step), or use a "
+            "one-example loss_fn (without dpfunc.batched_loss), whose vmap draws each "
+            "example's randomness on its own"
+        )

@@ -28,9 +28,11 @@ Privacy:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
+import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +44,7 @@ from torch.func import functional_call
 from torch.utils.data import DataLoader, IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .. import checkpoint as _checkpoint
 from .. import losses
 from ..accounting import epsilon as _epsilon
 from ..config import DPConfig, SpeedConfig
@@ -149,6 +152,7 @@ class PrivateTrainer(transformers.Trainer):
         )
         self._batches: Any = None  # the private sampler's iterator, made at the first batch
         self._loaded_best: str | None = None  # the checkpoint load_best_model_at_end loaded
+        self.nonprivate_total_flos = 0.0  # the operations counted: NOT private (store_flos)
         self._warn_logical_steps(len(rows))
         if self.args.max_grad_norm > 0:
             warnings.warn(
@@ -262,7 +266,32 @@ class PrivateTrainer(transformers.Trainer):
                 f"{self.private.steps_done}. To continue a run, build a new PrivateTrainer "
                 "and call train(resume_from_checkpoint=...); for a new run, build a new one"
             )
+        if self.args.save_strategy != "no":
+            self._hold_output_dir()
         return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _hold_output_dir(self) -> None:
+        """Makes this trainer the one live run saving checkpoints in ``args.output_dir``, for life.
+
+        Two live runs in one ``output_dir`` would write each other's
+        ``checkpoint-N`` folders and privacy states (one run's record of
+        what it released replaced by another's).
+        """
+        output_dir = self.args.output_dir
+        os.makedirs(output_dir, exist_ok=True)
+        try:
+            _checkpoint.hold(self.private, output_dir)
+        except ValueError:
+            gc.collect()  # a trainer dropped but not yet collected (a notebook cell run again)
+            try:
+                _checkpoint.hold(self.private, output_dir)
+            except ValueError as error:
+                raise ValueError(
+                    f"output_dir={output_dir!r} is held by another live PrivateTrainer (in this "
+                    "or another process): two runs in one output_dir would replace each other's "
+                    "checkpoints and their record of accounted steps. Give this run another "
+                    "output_dir, or let the other one go (del trainer) first"
+                ) from error
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> Any:
         """Refused: each trial trains on the private data, and no epsilon covers the choice.
@@ -291,17 +320,6 @@ class PrivateTrainer(transformers.Trainer):
         if self._batches is None:
             self._batches = iter(self.private.batches())
         return next(self._batches, None)  # None: the plan or the budget is used up
-
-    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
-        """The loop's lengths from the private plan (its steps, not the dataloader's)."""
-        private = self.private
-        last = private.plan.last_step()
-        max_steps = private.total_steps if last is None else min(private.total_steps, last)
-        per_epoch = private.steps_per_epoch
-        epochs = max(1, math.ceil(max_steps / per_epoch))
-        batch = round(private.config.expected_batch_size)
-        samples = round(max_steps * private.config.expected_batch_size)
-        return epochs, per_epoch, private.num_examples, samples, batch, per_epoch, max_steps
 
     def training_step(
         self, model: nn.Module, inputs: LogicalBatch | None, num_items_in_batch: Any = None
@@ -349,6 +367,18 @@ class PrivateTrainer(transformers.Trainer):
         return sum(super(PrivateTrainer, self).floating_point_ops(batch)
                    for batch, _ in inputs.micro_batches)  # fmt: skip
 
+    def store_flos(self) -> None:
+        """Keeps the operation count as ``nonprivate/total_flos``; ``state.total_flos`` stays 0.
+
+        The count is a function of each step's sampled batch size and padded
+        lengths, read without noise: it is logged labelled (at the end of
+        ``train()``), never in ``trainer_state.json`` or a model card.
+        """
+        public = self.state.total_flos
+        super().store_flos()  # (distributed: summed over the ranks)
+        self.nonprivate_total_flos += self.state.total_flos - public
+        self.state.total_flos = public
+
     def _get_num_items_in_batch(self, batch_samples: list, device: Any) -> None:
         return None  # each example's loss is its own mean: nothing is scaled by the batch
 
@@ -364,6 +394,9 @@ class PrivateTrainer(transformers.Trainer):
         close to it is mostly noise (docs/huggingface.md, "Choosing the settings").
         """
         logs = {_LABELS.get(key, key): value for key, value in logs.items()}
+        if "total_flos" in logs:  # state.total_flos: 0 (store_flos)
+            logs["total_flos"] = self.state.total_flos
+            logs["nonprivate/total_flos"] = self.nonprivate_total_flos
         if self.private.steps_done:
             logs["epsilon"] = self.private.epsilon()
             if "grad_norm" in logs:
@@ -419,13 +452,89 @@ class PrivateTrainer(transformers.Trainer):
         self._loaded_best = self.state.best_model_checkpoint  # the weights are now its
 
     def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
-        super()._save_checkpoint(model, trial)
-        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        path = os.path.join(self._get_output_dir(trial=trial), folder)
+        """``Trainer._save_checkpoint`` with the privacy state, never over another run's line.
+
+        A ``checkpoint-N`` folder is written only if it is new or this run's
+        own, and ``save_total_limit`` deletes only this run's own checkpoints
+        (transformers' rotation would delete any run's in ``output_dir``).
+        """
+        run_dir = self._get_output_dir(trial=trial)
+        path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:
+            self._check_not_another_line(run_dir, [path])
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # rotated below, among this run's checkpoints only
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
         if self.args.should_save and os.path.isdir(path):
-            torch.save(self.private.state_dict(), os.path.join(path, PRIVACY_STATE))
+            state = self.private.state_dict()
+            _checkpoint._atomic_write(os.path.join(path, PRIVACY_STATE),
+                                      lambda f: torch.save(state, f))  # fmt: skip
+            self._rotate_own_checkpoints(run_dir)
+
+    def _check_not_another_line(self, run_dir: str, paths: list[str] | None = None) -> None:
+        """Refuses to go on where a save would replace a checkpoint of another line.
+
+        ``paths``: the checkpoint folders about to be written; by default
+        every ``checkpoint-N`` in ``run_dir`` with ``N`` past this run's step
+        (any of them could be written by a later save). Another line is a
+        checkpoint not written by this run: another run's, an earlier
+        continuation's, or one without a privacy state.
+        """
+        if paths is None:
+            paths = [path for step, path in _checkpoint_folders(run_dir)
+                     if step > self.private.steps_done]  # fmt: skip
+        mine = self.private.plan.lineage
+        for path in paths:
+            if os.path.isdir(path) and _folder_lineage(path) != mine:
+                raise ValueError(
+                    f"{path!r} is a checkpoint of another run, or of another continuation of "
+                    "this one, which a save of this run would replace, with that run's record "
+                    f"of accounted steps ({PRIVACY_STATE}). Give this run another output_dir "
+                    f"(now {self.args.output_dir!r}), or move that checkpoint away"
+                )
+
+    def _rotate_own_checkpoints(self, run_dir: str) -> None:
+        """``save_total_limit``, applied to the checkpoints this run's line wrote."""
+        limit = self.args.save_total_limit
+        if not limit or limit <= 0:
+            return
+        mine = self.private.plan.lineage
+        own = [path for _, path in _checkpoint_folders(run_dir) if _folder_lineage(path) == mine]
+        best = self.state.best_model_checkpoint
+        keep = {own[-1]} | ({os.path.normpath(best)} if best else set())
+        for path in own[: max(0, len(own) - max(limit, len(keep)))]:
+            if os.path.normpath(path) not in keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
+        """The loop's lengths from the private plan (its steps, not the dataloader's).
+
+        Called once the run is what it will be (a checkpoint loaded): a
+        checkpoint of another line that a later save would replace is
+        refused here, before the first step, not when the save comes.
+        """
+        if self.args.should_save and self.args.save_strategy != "no":
+            self._check_not_another_line(self._get_output_dir(trial=None))
+        private = self.private
+        last = private.plan.last_step()
+        max_steps = private.total_steps if last is None else min(private.total_steps, last)
+        per_epoch = private.steps_per_epoch
+        epochs = max(1, math.ceil(max_steps / per_epoch))
+        batch = round(private.config.expected_batch_size)
+        samples = round(max_steps * private.config.expected_batch_size)
+        return epochs, per_epoch, private.num_examples, samples, batch, per_epoch, max_steps
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Loads the checkpoint's privacy state, checked, and only then its weights.
+
+        Raises:
+            ValueError: the checkpoint has no privacy state, or one that
+                cannot continue this run (each reason named); nothing is
+                loaded then, the model is as it was.
+        """
         path = os.path.join(resume_from_checkpoint, PRIVACY_STATE)
         if not os.path.isfile(path):
             raise ValueError(
@@ -433,8 +542,14 @@ class PrivateTrainer(transformers.Trainer):
                 "was not saved by a PrivateTrainer, and resuming from it would start the "
                 "accounting at step 0 for a model that has already trained"
             )
+        try:
+            self.private.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
+        except Exception as error:
+            raise ValueError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r}: its {PRIVACY_STATE} cannot "
+                f"continue this run, and nothing was loaded (the model is as it was): {error}"
+            ) from error
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        self.private.load_state_dict(torch.load(path, weights_only=True, map_location="cpu"))
 
 
 _LABELS = {"loss": "nonprivate/loss", "train_loss": "nonprivate/train_loss"}
@@ -568,6 +683,28 @@ def _check_arguments(args: Any) -> None:
             f"n_gpu={args.n_gpu}: torch.nn.DataParallel is not supported; run one process per "
             "device with torchrun (DDP)"
         )
+
+
+def _checkpoint_folders(run_dir: str) -> list[tuple[int, str]]:
+    """``(N, path)`` of each ``checkpoint-N`` folder in ``run_dir``, by ``N``."""
+    folders = []
+    if os.path.isdir(run_dir):
+        for name in os.listdir(run_dir):
+            path = os.path.join(run_dir, name)
+            step = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+            if step != name and step.isdigit() and os.path.isdir(path):
+                folders.append((int(step), path))
+    return sorted(folders)
+
+
+def _folder_lineage(path: str) -> list[str] | None:
+    """The lineage of the run that wrote checkpoint folder ``path`` (``None``: no readable one)."""
+    try:
+        saved = torch.load(os.path.join(path, PRIVACY_STATE), weights_only=True,
+                           map_location="cpu", mmap=True)  # fmt: skip
+        return _checkpoint._lineage(path, saved)
+    except Exception:
+        return None
 
 
 def _default(cls: type, name: str) -> Any:
