@@ -259,6 +259,23 @@ def table(results: dict, corpus: dict | None) -> str:
                     f"| {kind} | {off['peak_mb']:.0f} | {on['peak_mb']:.0f} | "
                     f"{saved:.0f} ({saved / off['peak_mb']:.0%}) |"
                 )
+    gaps = Path(__file__).with_name("bf16_gap.jsonl")
+    if gaps.exists():
+        rows = [json.loads(line) for line in gaps.read_text().splitlines() if line.strip()]
+        ran = [r for r in rows if not r["error"]]
+        kinds = sorted({r["kind"] for r in rows})
+        lines += [
+            "",
+            f"bf16 and the batched-loss check (`bench/bf16_gap.py`, `bench/bf16_gap.jsonl`): "
+            f"{len(rows)} first steps of PrivateTrainer ({', '.join(kinds)}; widths "
+            f"{', '.join(str(w) for w in sorted({r['width'] for r in rows}))}; autocast and "
+            "bf16 parameters; random and after 20 non-private steps), each example's loss and "
+            "gradient norm in the batched pass against the one-example pass: largest relative "
+            f"gap {max(r['loss_gap'] for r in ran):.1e} (losses) and "
+            f"{max(r['norm_gap'] for r in ran):.1e} (norms), against the bf16 tolerance "
+            "2e-2; errors: "
+            f"{sum(bool(r['error']) for r in rows)}.",
+        ]
     if corpus:
         lines += [
             "",
@@ -279,6 +296,7 @@ def main() -> None:
                         help="one group of rows, or one run by name")  # fmt: skip
     parser.add_argument("--out", default=str(Path(__file__).parent))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a run, in this process
+    parser.add_argument("--table", action="store_true", help="rewrite hf_scale.md from the json")
     options = parser.parse_args()
     if options.one:
         result = (
@@ -291,6 +309,12 @@ def main() -> None:
     out = Path(options.out)
     stored = out / "hf_scale.json"
     saved = json.loads(stored.read_text()) if stored.exists() and options.only else {}
+    if options.table:
+        saved = json.loads(stored.read_text())
+        runs = {k: v for k, v in saved.items() if k != "corpus"}
+        (out / "hf_scale.md").write_text(text := table(runs, saved.get("corpus")))
+        print(text)
+        return
     names = list(RUNS) if options.only in (None, "runs") else []
     names += list(LONG) if options.only in (None, "long") else []
     names += ["corpus"] if options.only in (None, "corpus") else []

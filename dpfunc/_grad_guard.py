@@ -142,7 +142,7 @@ class GradGuard:
             "logical batches; each logical batch already has expected_batch_size examples, and "
             "physical_batch_size sets the micro-batches). Call optimizer.step() after each "
             "backward",
-            stacklevel=3,
+            stacklevel=4,  # (backward runs in torch.compiler.disable's wrapper: one frame more)
         )
 
     @staticmethod
@@ -159,7 +159,7 @@ class GradGuard:
             f"cleared the .grad of frozen parameters {stale[:5]}"
             f"{'...' if len(stale) > 5 else ''}: PrivateGradients does not train them, and "
             "an optimizer holding them would have moved them by that non-private gradient",
-            stacklevel=3,
+            stacklevel=4,
         )
 
 
@@ -198,13 +198,23 @@ def _autograd_check(me: Any, name: str, p: Tensor) -> Any:
 def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Refuses an optimizer step that would apply a gradient the private step did not write."""
     closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0]: the optimizer
-    guarded = []
+    guarded, others = [], []
     for group in optimizer.param_groups:
         for p in group["params"]:
             me, name = _GUARDED.get(id(p), (None, None))
             guard = me() if me is not None else None
             if guard is not None:  # (a live guard holds p: the id is p's own)
                 guarded.append((guard, p, name))
+            elif p.grad is not None:
+                others.append(p)
+    if guarded and others:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() refused: it steps the private run's model and "
+            f"also {len(others)} tensor(s) outside that model holding a gradient (of shape "
+            f"{tuple(others[0].shape)}, ...) that no private step wrote: a head or a "
+            "temperature trained by autograd on the data, without clipping or noise. Make "
+            "them part of the model, or give them an optimizer of their own"
+        )
     if guarded and closure is not None:
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(closure) refused: the closure runs inside the step, "

@@ -183,9 +183,7 @@ class PrivateGradients(PlannedRun):
         self._released = 0  # private gradients this object wrote (loading one's own: refused)
         self._closed = False
         self._guard = GradGuard(model, self._trainable)  # p.grad is the private step's alone
-        # a compiled loop body calls backward as is (a graph break; it compiles its own step).
-        # Here, not as a decorator: the decorator would import Dynamo with dpfunc
-        self.backward = torch.compiler.disable(self.backward)
+        _run_backward_eagerly()
 
     def batches(self, steps: int | None = None) -> Iterator[LogicalBatch]:
         """Yields the next logical batches, from step :attr:`steps_done` on.
@@ -509,30 +507,69 @@ class PrivateGradients(PlannedRun):
         )
 
 
+def _run_backward_eagerly() -> None:
+    """Makes :meth:`PrivateGradients.backward` a graph break under ``torch.compile``, once.
+
+    A compiled loop body then calls it as is (it compiles its own step with
+    ``compile=True``). Done on the class at the first build, not as a
+    decorator (which would import Dynamo with dpfunc) nor on the instance
+    (which would hold itself in a cycle, outliving a ``del``).
+    """
+    if not getattr(PrivateGradients.backward, "_dpfunc_eager", False):
+        eager = torch.compiler.disable(PrivateGradients.backward)
+        eager._dpfunc_eager = True
+        PrivateGradients.backward = eager
+
+
 def _moved_in_place(model: nn.Module, sharded: bool) -> Any:
     """A check of what changes in ``model`` from now: a call that names what moved.
 
-    The call returns the names of the parameters and buffers written in
-    place since (their version counters moved), and puts back the
-    buffers' values (copied here: buffers are small; parameters are not
-    copied). A sharded model's parameters are left out (FSDP2 moves them).
+    The call returns the names of the parameters written in place since
+    (their version counters moved) and of the buffers written, replaced,
+    added or removed (their tensors, versions and values compared with
+    copies taken here: buffers are small), and puts the buffers back as
+    they were (parameters are not copied). A sharded model's parameters
+    are left out (FSDP2 moves them).
     """
     parameters = [] if sharded else list(model.named_parameters())
-    buffers = list(model.named_buffers())
-    versions = [t._version for _, t in parameters + buffers]
-    copies = [b.detach().clone() for _, b in buffers]
+    versions = [p._version for _, p in parameters]
+    buffers = dict(model.named_buffers())
+    before = {name: (b, b._version, b.detach().clone()) for name, b in buffers.items()}
 
     def moved() -> list[str]:
-        names = [f"{'parameter' if i < len(parameters) else 'buffer'} {name!r}"
-                 for i, ((name, t), version) in enumerate(zip(parameters + buffers, versions))
-                 if t._version != version]  # fmt: skip
-        if names:
-            with torch.no_grad():
-                for (_, b), copy in zip(buffers, copies, strict=True):
-                    b.copy_(copy)
+        names = [f"parameter {name!r}" for (name, p), version in zip(parameters, versions)
+                 if p._version != version]  # fmt: skip
+        now = dict(model.named_buffers())
+        changed = sorted(
+            name for name in now.keys() | before.keys()
+            if name not in now or name not in before or now[name] is not before[name][0]
+            or now[name]._version != before[name][1]
+            or not _same_values(now[name].detach(), before[name][2])
+        )  # fmt: skip
+        names += [f"buffer {name!r}" for name in changed]
+        if changed:
+            for name in changed:
+                owner, _, leaf = name.rpartition(".")
+                module = model.get_submodule(owner)
+                if name in before:
+                    tensor, _, copy = before[name]
+                    with torch.no_grad():
+                        tensor.copy_(copy)
+                    module._buffers[leaf] = tensor
+                else:
+                    del module._buffers[leaf]
         return names
 
     return moved
+
+
+def _same_values(a: Tensor, b: Tensor) -> bool:
+    """Equal shapes, dtypes and values, NaN equal to NaN (a buffer may hold one)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+    return torch.equal(a, b)
 
 
 def _grad_leaves(loss: Any) -> list[Tensor]:

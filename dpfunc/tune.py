@@ -985,23 +985,41 @@ def _check_score_noise(score: str, value: Any) -> float | None:
 def _check_result(result: Any, run: Any, index: int) -> None:
     """Refuses a trial's ``result`` that would release what the search's epsilon does not cover.
 
-    The run itself, a dpfunc state dict or the run's seed (each holds the
-    secret with which the noise can be removed), and a tensor of the run's
-    training data (the same memory, or a copy of a whole column).
+    Looked for in dicts, lists and tuples: a run (a Trainer, a
+    ``PrivateGradients``, what holds one, as a ``PrivateTrainer`` does, or its
+    plan), a dpfunc state dict, the run's secret seeds (as an int or written in
+    a string, decimal or hex), each of which lets anyone remove the noise, and
+    a tensor of the run's training data (its memory, a copy of a whole
+    column, or rows copied from one). A block list: data kept in another form
+    is not seen (docs/tuning.md says what ``result`` may hold).
     """
     columns = _data_columns(run)
-    secret = getattr(run, "seed", None) if getattr(run, "seed_is_secret", False) else None
+    secrets = [getattr(run, name, None) for name in ("seed", "stream_seed")]
+    secrets = [int(s) for s in secrets if s is not None] if run.seed_is_secret else []
+    seen: set[int] = set()
+
+    def leak(value: Any) -> str | None:
+        if _is_run(value) or _is_run(getattr(value, "private", None)):
+            return f"a run ({type(value).__name__})"
+        if hasattr(value, "lineage") and hasattr(value, "stream_seed"):
+            return f"a run's plan ({type(value).__name__}), which holds its secret seed"
+        if isinstance(value, dict) and {"accountant", "lineage"} <= value.keys():
+            return "a dpfunc state dict, which holds the run's secret seed"
+        if isinstance(value, int | np.integer) and not isinstance(value, bool):
+            return "the run's secret seed" if int(value) in secrets else None
+        if isinstance(value, str | bytes):
+            text = value.decode("latin-1") if isinstance(value, bytes) else value
+            words = [w for s in secrets for w in (str(s), format(s, "x"), format(s, "X"))]
+            return "the run's secret seed, written out" if any(w in text for w in words) else None
+        if isinstance(value, torch.Tensor) and any(_same_data(value, c) for c in columns):
+            return "a tensor of the training data"
+        return None
 
     def visit(value: Any, where: str) -> None:
-        why = None
-        if hasattr(value, "accountant") and hasattr(value, "seed_is_secret"):
-            why = f"the trial's run itself ({type(value).__name__})"
-        elif isinstance(value, dict) and {"accountant", "lineage"} <= value.keys():
-            why = "a dpfunc state dict, which holds the run's secret seed"
-        elif isinstance(value, int | str) and secret is not None and str(secret) in str(value):
-            why = "the run's secret seed"
-        elif isinstance(value, torch.Tensor) and any(_same_data(value, c) for c in columns):
-            why = "a tensor of the training data"
+        if id(value) in seen:  # a result that holds itself
+            return
+        seen.add(id(value))
+        why = leak(value)
         if why is not None:
             raise ValueError(
                 f"trial {index}: Outcome.result{where} is {why}, which the search would "
@@ -1019,6 +1037,10 @@ def _check_result(result: Any, run: Any, index: int) -> None:
     visit(result, "")
 
 
+def _is_run(value: Any) -> bool:
+    return hasattr(value, "accountant") and hasattr(value, "seed_is_secret")
+
+
 def _data_columns(run: Any) -> list[torch.Tensor]:
     """The tensors a run's training set is made of, where it is tensors (else none)."""
     batches = getattr(getattr(run, "plan", None), "batches", None)
@@ -1031,18 +1053,28 @@ def _data_columns(run: Any) -> list[torch.Tensor]:
 
 
 def _same_data(value: torch.Tensor, column: torch.Tensor) -> bool:
-    """Whether ``value`` is ``column``'s memory, or a copy of the whole column."""
-    if (
-        value.numel()
-        and value.device == column.device
-        and value.untyped_storage().data_ptr() == column.untyped_storage().data_ptr()
+    """Whether ``value`` is ``column``'s memory, a copy of it, or holds rows copied from it.
+
+    Rows are compared where they have 8 entries or more and are not constant
+    (a row of zeros or a label would match by chance); up to 4 of ``value``'s.
+    """
+    if value.layout != torch.strided or column.layout != torch.strided or not value.numel():
+        return False
+    if value.device == column.device and (
+        value.untyped_storage().data_ptr() == column.untyped_storage().data_ptr()
     ):
         return True
-    return (
-        value.shape == column.shape
-        and value.dtype == column.dtype
-        and torch.equal(value.detach().cpu(), column.detach().cpu())
-    )
+    value, column = value.detach().cpu(), column.detach().cpu()
+    if value.shape == column.shape and torch.equal(value.to(column.dtype), column):
+        return True
+    row = column.shape[1:]
+    if value.dim() != column.dim() or value.shape[1:] != row or row.numel() < 8:
+        return False
+    flat = column.reshape(len(column), -1)
+    for item in value[:4].reshape(min(len(value), 4), -1).to(column.dtype):
+        if bool((item == item[0]).all()) or not bool((flat == item).all(1).any()):
+            return False
+    return True
 
 
 def _rank(score: float) -> float:

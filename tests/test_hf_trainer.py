@@ -600,3 +600,13 @@ def test_the_logged_noise_norm_is_what_the_noise_alone_gives(tmp_path):
     entries = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     assert logged and all(e["noise_norm"] == 50.0 * 1.0 / B * math.sqrt(entries) for e in logged)
     assert all(abs(e["grad_norm"] / e["noise_norm"] - 1) < 0.1 for e in logged)
+
+
+def test_transformers_4_is_refused_at_import_and_5_accepted():
+    from dpfunc.integrations.transformers import _check_version
+
+    for version in ("4.57.1", "4.46.0", "6.0.0"):
+        with pytest.raises(ImportError, match=f"needs transformers 5.x, found {version}"):
+            _check_version(version)
+    _check_version("5.0.0")
+    _check_version(transformers.__version__)  # the installed one

@@ -784,3 +784,39 @@ def test_a_compiled_loop_body_runs_the_private_step_eagerly():
         assert private.steps_done == 2
     for name, p in results[0].items():
         torch.testing.assert_close(results[1][name], p)
+
+
+def test_a_forward_that_replaces_its_buffer_is_refused_and_put_back():
+    """Not in place: a new tensor assigned to the buffer (its old one's version never moves)."""
+
+    class Centred(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mean", torch.zeros(5))
+
+        def forward(self, x):
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().reshape(-1, 5).mean(0)
+            return x - self.mean
+
+    model = nn.Sequential(Centred(), mlp())
+    original = model[0].mean
+    private = private_for(model, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match=r"buffer '0.mean'.*put back"):
+        private.backward(next(private.batches(1)))
+    assert model[0].mean is original and torch.equal(original, torch.zeros(5))
+    assert private.epsilon(1e-5) == 0.0
+
+
+def test_a_tensor_outside_the_model_in_the_same_optimizer_is_not_stepped():
+    model = mlp()
+    private = private_for(model)
+    temperature = torch.ones((), requires_grad=True)  # kept outside the model
+    optimizer = torch.optim.SGD([*model.parameters(), temperature], lr=0.1)
+    x, y = data()
+    (F.cross_entropy(model(x) / temperature, y)).backward()  # before the private step
+    private.backward(next(private.batches(1)))
+    with pytest.raises(RuntimeError, match="1 tensor.* outside that model holding a gradient"):
+        optimizer.step()
+    assert float(temperature) == 1.0
+    temperature.grad = None
+    optimizer.step()  # the control: its gradient cleared, the private step is taken

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("peft", reason="needs the 'hf' extra (peft is not installed)")
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
 pytest.importorskip("datasets", reason="needs the 'hf' extra")
-from test_hf_trainer import arguments, lm_trainer, privacy, saving  # noqa: E402
+from test_hf_trainer import arguments, lm_trainer, privacy, saving, texts  # noqa: E402
 
 from dpfunc.integrations.transformers import PRIVACY_STATE  # noqa: E402
 
@@ -72,19 +72,25 @@ def test_a_refused_resume_leaves_the_model_as_it_was_and_names_the_checkpoint(tm
         assert torch.equal(t, every_tensor(other.model)[name]), name
 
 
-def test_two_live_runs_never_share_an_output_dir(tmp_path):
+def test_two_runs_never_share_an_output_dir(tmp_path):
     out = tmp_path / "out"
-    first = lm_trainer(out, args=saving(out))
+    refused = []
+
+    class AnotherRunMeanwhile(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:  # a second run into the same folder, while this trains
+                other = lm_trainer(out, args=saving(out))
+                with pytest.raises(ValueError, match="held by another PrivateTrainer training"):
+                    other.train()
+                refused.append(other.private.steps_done)
+
+    first = lm_trainer(out, args=saving(out), callbacks=[AnotherRunMeanwhile()])
     first.train()
+    assert refused == [0] and first.private.steps_done == 3
     saved = digest(out / "checkpoint-2")
     second = lm_trainer(out, args=saving(out))
-    with pytest.raises(ValueError, match="held by another live PrivateTrainer"):
-        second.train()
-    assert second.private.steps_done == 0
-    first = None  # the notebook habit: the first trainer let go, the cell run again
-    gc.collect()
     with pytest.raises(ValueError, match="checkpoint-2.*another run.*another output_dir"):
-        second.train()  # the lock is free, but its saves would replace the first run's
+        second.train()  # the first has ended, but a save of this one would replace its own
     assert second.private.steps_done == 0
     assert digest(out / "checkpoint-2") == saved
     third = lm_trainer(tmp_path / "elsewhere", args=saving(tmp_path / "elsewhere"))
@@ -111,23 +117,26 @@ def test_a_continuation_never_replaces_the_checkpoints_of_another_line(tmp_path)
 
 
 def test_save_total_limit_deletes_only_this_lines_checkpoints(tmp_path):
-    out = tmp_path / "out"
-    args = arguments(out, save_steps=1, save_strategy="steps")
-    first = lm_trainer(out, args=args, config=privacy(epochs=2.0), seed=None,
-                       callbacks=[StopAt(3)])  # fmt: skip
-    first.train()  # stopped after 3 of its 6 steps: checkpoint-1, -2, -3
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    unrelated = lm_trainer(elsewhere, args=arguments(elsewhere, save_steps=1,
+                                                     save_strategy="steps"),
+                           callbacks=[StopAt(1)])  # fmt: skip
+    unrelated.train()
+    first = lm_trainer(out, args=arguments(out, save_steps=3, save_strategy="steps"),
+                       config=privacy(epochs=2.0), seed=None, callbacks=[StopAt(3)])  # fmt: skip
+    first.train()  # stopped after 3 of its 6 steps: checkpoint-3
     assert first.private.steps_done == 3
-    kept = {step: digest(out / f"checkpoint-{step}") for step in (1, 2, 3)}
-    first = None
-    gc.collect()
+    os.rename(elsewhere / "checkpoint-1", out / "checkpoint-1")  # another run's, moved in
+    kept = digest(out / "checkpoint-1")
     limited = arguments(out, save_steps=1, save_strategy="steps", save_total_limit=1)
     resumed = lm_trainer(out, args=limited, config=privacy(epochs=2.0), seed=None)
     resumed.train(resume_from_checkpoint=str(out / "checkpoint-3"))
     assert resumed.private.steps_done == 6
     folders = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-"))
-    assert folders == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-6"]
-    for step, files in kept.items():  # transformers' rotation would have deleted them
-        assert digest(out / f"checkpoint-{step}") == files, step
+    # the line's checkpoints (its own and the one it continued) rotated to the latest;
+    # transformers' rotation would have deleted the other run's checkpoint-1 as well
+    assert folders == ["checkpoint-1", "checkpoint-6"]
+    assert digest(out / "checkpoint-1") == kept
 
 
 def test_total_flos_is_public_and_the_count_is_labelled(tmp_path):
@@ -144,3 +153,30 @@ def test_total_flos_is_public_and_the_count_is_labelled(tmp_path):
         assert end["total_flos"] == 0
         counts.append(end["nonprivate/total_flos"])
     assert all(count > 0 for count in counts) and counts[0] != counts[1]
+
+
+def test_the_best_kept_at_the_end_never_deletes_another_lines_checkpoints(tmp_path):
+    """save_total_limit=1 with load_best_model_at_end: transformers deletes every checkpoint
+    in output_dir but the best at the end of train(), whichever run wrote it."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    unrelated = lm_trainer(elsewhere, args=arguments(elsewhere, save_steps=1,
+                                                     save_strategy="steps"),
+                           callbacks=[StopAt(1)])  # fmt: skip
+    unrelated.train()
+    args = arguments(out, save_steps=2, save_strategy="steps")
+    first = lm_trainer(out, args=args, config=privacy(epochs=2.0), seed=None,
+                       callbacks=[StopAt(2)])  # fmt: skip
+    first.train()  # checkpoint-2 of this line
+    os.rename(elsewhere / "checkpoint-1", out / "checkpoint-1")  # another run's, moved in
+    kept = digest(out / "checkpoint-1")
+    best = arguments(out, save_steps=1, save_strategy="steps", eval_strategy="steps",
+                     eval_steps=1, save_total_limit=1, load_best_model_at_end=True,
+                     metric_for_best_model="loss")  # fmt: skip
+    resumed = lm_trainer(out, args=best, config=privacy(epochs=2.0), seed=None,
+                         eval_dataset=texts())  # fmt: skip
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert resumed.private.steps_done == 6
+    folders = sorted(name for name in os.listdir(out) if name.startswith("checkpoint-"))
+    chosen = os.path.basename(resumed.state.best_model_checkpoint)
+    assert folders == sorted({"checkpoint-1", chosen})  # this line's best, and the other's
+    assert digest(out / "checkpoint-1") == kept

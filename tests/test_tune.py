@@ -760,12 +760,15 @@ def test_a_declared_validation_size_divides_the_noisy_sum():
         RandomSearch({}, CONFIG, N, mean_trials=2, score="public", validation_size=100)
 
 
-@pytest.mark.parametrize("leak", ["run", "state_dict", "seed", "data", "data_copy"])
+@pytest.mark.parametrize(
+    "leak", ["run", "plan", "state_dict", "seed", "stream_seed", "seed_hex", "data", "data_copy",
+             "rows"],
+)  # fmt: skip
 def test_a_result_that_releases_the_secret_or_the_data_is_refused(leak):
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(200, 5, generator=generator)
+    x = torch.randn(200, 8, generator=generator)  # rows of 8: copied rows are looked for
     y = (x[:, 0] > 0).long()
-    model = nn.Linear(5, 2)
+    model = nn.Linear(8, 2)
 
     def trial(hyperparameters, config, seed):
         params, buffers = dpfunc.functionalize(model)
@@ -779,8 +782,10 @@ def test_a_result_that_releases_the_secret_or_the_data_is_refused(leak):
                                  optimizer=dpfunc.optim.sgd(lr=0.5), progress=False)  # fmt: skip
         trainer.fit()
         result = {
-            "run": trainer, "state_dict": dpfunc.checkpoint.state_dict(trainer),
-            "seed": trainer.seed, "data": x, "data_copy": [x.clone()],
+            "run": trainer, "plan": trainer.plan,
+            "state_dict": dpfunc.checkpoint.state_dict(trainer), "seed": trainer.seed,
+            "stream_seed": trainer.stream_seed, "seed_hex": f"run {hex(trainer.seed)}",
+            "data": x, "data_copy": [x.clone()], "rows": x[3:7].double(),
             "params": dict(trainer.params),
         }  # fmt: skip
         keep = {"params": result["params"]} if leak is None else {leak: result[leak]}

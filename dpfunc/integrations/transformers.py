@@ -61,6 +61,28 @@ __all__ = [
     "per_example_loss",
 ]
 
+
+def _check_version(version: str) -> None:
+    """Refuses a transformers release this integration was not built and tested for.
+
+    Raises:
+        ImportError: ``version`` is not 5.x. transformers 4.x checkpoints
+            activations reentrantly by default (refused by the private step),
+            and its ``Trainer`` internals that ``PrivateTrainer`` overrides
+            differ; the ``hf`` extra installs 5.x.
+    """
+    major = version.split(".", 1)[0]
+    if major != "5":
+        raise ImportError(
+            f"dpfunc.integrations.transformers needs transformers 5.x, found {version}: "
+            "install the hf extra (pip install 'dpfunc[hf]'), which pins transformers>=5,<6. "
+            "transformers 4.x is not supported (its checkpointing is reentrant by default and "
+            "its Trainer internals differ); dpfunc's own loop (PrivateGradients) runs any model"
+        )
+
+
+_check_version(transformers.__version__)
+
 PRIVACY_STATE = "dpfunc_privacy.pt"
 """The file in each checkpoint that resumes the private run. SECRET: it holds the seed."""
 
@@ -153,6 +175,7 @@ class PrivateTrainer(transformers.Trainer):
         self._batches: Any = None  # the private sampler's iterator, made at the first batch
         self._loaded_best: str | None = None  # the checkpoint load_best_model_at_end loaded
         self.nonprivate_total_flos = 0.0  # the operations counted: NOT private (store_flos)
+        self._save_total_limit = self.args.save_total_limit  # applied by the run itself
         self._warn_logical_steps(len(rows))
         if self.args.max_grad_norm > 0:
             warnings.warn(
@@ -266,31 +289,46 @@ class PrivateTrainer(transformers.Trainer):
                 f"{self.private.steps_done}. To continue a run, build a new PrivateTrainer "
                 "and call train(resume_from_checkpoint=...); for a new run, build a new one"
             )
-        if self.args.save_strategy != "no":
-            self._hold_output_dir()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        saving = self.args.save_strategy != "no"
+        lock = os.path.join(self.args.output_dir, "dpfunc_run")  # .dpfunc_run.lock inside it
+        if saving:
+            self._hold_output_dir(lock)
+        # save_total_limit is applied here to this run's own checkpoints (_rotate_own_checkpoints):
+        # transformers' rotation, and its deletion at the end of train(), delete any run's
+        limit, self._save_total_limit = self.args.save_total_limit, self.args.save_total_limit
+        self.args.save_total_limit = None
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:
+            self.args.save_total_limit = limit
+            if saving:  # the run ends with train(): another may use the folder after it
+                _checkpoint._release(self.private, lock)
+        if limit == 1 and self.args.should_save and self.state.best_model_checkpoint:
+            self._rotate_own_checkpoints(self._get_output_dir(trial=None), keep_best_only=True)
+        return output
 
-    def _hold_output_dir(self) -> None:
-        """Makes this trainer the one live run saving checkpoints in ``args.output_dir``, for life.
+    def _hold_output_dir(self, lock: str) -> None:
+        """Makes this trainer the one live run saving checkpoints in ``args.output_dir``.
 
-        Two live runs in one ``output_dir`` would write each other's
-        ``checkpoint-N`` folders and privacy states (one run's record of
-        what it released replaced by another's).
+        Held for the time of :meth:`train`. Two live runs in one
+        ``output_dir`` would write each other's ``checkpoint-N`` folders and
+        privacy states (one run's record of what it released replaced by
+        another's).
         """
         output_dir = self.args.output_dir
         os.makedirs(output_dir, exist_ok=True)
         try:
-            _checkpoint.hold(self.private, output_dir)
+            _checkpoint.hold(self.private, lock)
         except ValueError:
             gc.collect()  # a trainer dropped but not yet collected (a notebook cell run again)
             try:
-                _checkpoint.hold(self.private, output_dir)
+                _checkpoint.hold(self.private, lock)
             except ValueError as error:
                 raise ValueError(
-                    f"output_dir={output_dir!r} is held by another live PrivateTrainer (in this "
-                    "or another process): two runs in one output_dir would replace each other's "
-                    "checkpoints and their record of accounted steps. Give this run another "
-                    "output_dir, or let the other one go (del trainer) first"
+                    f"output_dir={output_dir!r} is held by another PrivateTrainer training "
+                    "now (in this or another process): two runs in one output_dir would replace "
+                    "each other's checkpoints and their record of accounted steps. Give this "
+                    "run another output_dir, or wait until the other one's train() ends"
                 ) from error
 
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> Any:
@@ -460,14 +498,8 @@ class PrivateTrainer(transformers.Trainer):
         """
         run_dir = self._get_output_dir(trial=trial)
         path = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:
-            self._check_not_another_line(run_dir, [path])
-        limit = self.args.save_total_limit
-        self.args.save_total_limit = None  # rotated below, among this run's checkpoints only
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            self.args.save_total_limit = limit
+        self._check_not_another_line(run_dir, [path])
+        super()._save_checkpoint(model, trial)  # (save_total_limit is None in train())
         if self.args.should_save and os.path.isdir(path):
             state = self.private.state_dict()
             _checkpoint._atomic_write(os.path.join(path, PRIVACY_STATE),
@@ -481,31 +513,46 @@ class PrivateTrainer(transformers.Trainer):
         every ``checkpoint-N`` in ``run_dir`` with ``N`` past this run's step
         (any of them could be written by a later save). Another line is a
         checkpoint not written by this run: another run's, an earlier
-        continuation's, or one without a privacy state.
+        continuation's, or one without a privacy state. Rank 0 (the one that
+        saves) decides; distributed, every rank raises with it.
         """
-        if paths is None:
-            paths = [path for step, path in _checkpoint_folders(run_dir)
-                     if step > self.private.steps_done]  # fmt: skip
-        mine = self.private.plan.lineage
-        for path in paths:
-            if os.path.isdir(path) and _folder_lineage(path) != mine:
-                raise ValueError(
-                    f"{path!r} is a checkpoint of another run, or of another continuation of "
-                    "this one, which a save of this run would replace, with that run's record "
-                    f"of accounted steps ({PRIVACY_STATE}). Give this run another output_dir "
-                    f"(now {self.args.output_dir!r}), or move that checkpoint away"
+        error = None
+        if self.args.should_save:
+            if paths is None:
+                paths = [path for step, path in _checkpoint_folders(run_dir)
+                         if step > self.private.steps_done]  # fmt: skip
+            mine = self.private.plan.lineage
+            other = [p for p in paths if os.path.isdir(p) and _folder_lineage(p) != mine]
+            if other:
+                error = ValueError(
+                    f"{other[0]!r} is a checkpoint of another run, or of another continuation "
+                    "of this one, which a save of this run would replace, with that run's "
+                    f"record of accounted steps ({PRIVACY_STATE}). Give this run another "
+                    f"output_dir (now {self.args.output_dir!r}), or move that checkpoint away"
                 )
+        _checkpoint._rank0_outcome(self.private, error, f"the checkpoints in {run_dir!r}")
 
-    def _rotate_own_checkpoints(self, run_dir: str) -> None:
-        """``save_total_limit``, applied to the checkpoints this run's line wrote."""
-        limit = self.args.save_total_limit
+    def _rotate_own_checkpoints(self, run_dir: str, keep_best_only: bool = False) -> None:
+        """``save_total_limit``, applied to the checkpoints of this run and of those it continues.
+
+        The latest and the best are kept; ``keep_best_only`` (the end of a
+        run with ``save_total_limit=1``, as transformers does) keeps the best
+        alone. Checkpoints of other lines are never deleted (a continued
+        run's checkpoints past the step it was resumed from are another
+        line's: a run does not start where they exist).
+        """
+        limit = self._save_total_limit
         if not limit or limit <= 0:
             return
         mine = self.private.plan.lineage
-        own = [path for _, path in _checkpoint_folders(run_dir) if _folder_lineage(path) == mine]
+        own = [path for _, path in _checkpoint_folders(run_dir)
+               if (line := _folder_lineage(path)) and line == mine[: len(line)]]  # fmt: skip
         best = self.state.best_model_checkpoint
-        keep = {own[-1]} | ({os.path.normpath(best)} if best else set())
-        for path in own[: max(0, len(own) - max(limit, len(keep)))]:
+        keep = {os.path.normpath(best)} if best else set()
+        if not keep_best_only and own:
+            keep.add(os.path.normpath(own[-1]))
+        doomed = own if keep_best_only else own[: max(0, len(own) - max(limit, len(keep)))]
+        for path in doomed:
             if os.path.normpath(path) not in keep:
                 shutil.rmtree(path, ignore_errors=True)
 
@@ -516,7 +563,7 @@ class PrivateTrainer(transformers.Trainer):
         checkpoint of another line that a later save would replace is
         refused here, before the first step, not when the save comes.
         """
-        if self.args.should_save and self.args.save_strategy != "no":
+        if self.args.save_strategy != "no":
             self._check_not_another_line(self._get_output_dir(trial=None))
         private = self.private
         last = private.plan.last_step()
