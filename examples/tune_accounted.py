@@ -158,7 +158,8 @@ def accounted_search(fit_set, val_set, test_set, epsilon, seed=None):
     config = config_for(epsilon, len(fit_set[1]), target_epsilon=epsilon)
     result = dpfunc.tune.search(
         trial, SPACE, config, len(fit_set[1]), mean_trials=MEAN_TRIALS, shape=SHAPE,
-        score_noise_multiplier=SCORE_NOISES[DATA][epsilon], seed=seed,
+        score_noise_multiplier=SCORE_NOISES[DATA][epsilon], validation_size=len(val_set[1]),
+        seed=seed,
     )  # fmt: skip
     if result.best is None:  # K = 0: nothing is released
         return result, math.nan

@@ -25,7 +25,7 @@ from torch.func import functional_call
 
 import dpfunc
 from dpfunc import tune
-from dpfunc.tune import Choice, LogUniform, Outcome, RandomSearch
+from dpfunc.tune import Choice, LogUniform, Outcome, RandomSearch, _count
 
 N = 1000  # training examples of every search here
 CONFIG = dpfunc.DPConfig(
@@ -77,7 +77,7 @@ def test_epsilon_is_the_rdp_accountant_on_the_exposed_event(shape):
     )
     search = RandomSearch(
         {"lr": LogUniform(0.01, 1.0)}, config, N, mean_trials=8, shape=shape,
-        score_noise_multiplier=4.0, seed=0,
+        score_noise_multiplier=4.0, validation_size=100, seed=0,
     )  # fmt: skip
     sigma = search.trial_config.noise_multiplier
     # the event built here from the paper's description, not read from the search
@@ -106,7 +106,7 @@ def test_a_target_out_of_reach_is_refused():
         clip_norm=1.0, expected_batch_size=100, epochs=1, target_epsilon=0.05, delta=1e-5
     )
     with pytest.raises(ValueError, match="target_epsilon=0.05 cannot be met"):
-        RandomSearch({}, config, N, mean_trials=10, score_noise_multiplier=1.0)
+        RandomSearch({}, config, N, mean_trials=10, score_noise_multiplier=1.0, validation_size=100)
 
 
 def test_a_given_noise_multiplier_is_each_trials():
@@ -180,9 +180,9 @@ def test_the_drawn_count_is_never_more_than_the_accounted_one(fallback, monkeypa
     library's inversion returns a gamma whose mean is up to 1e-9 above; the fallback (without
     the library's private function) keeps the same rule."""
     if fallback:
-        monkeypatch.setattr(tune, "_library_gamma", None)
+        monkeypatch.setattr(_count, "_library_gamma", None)
     for mean, shape in MEANS_AND_SHAPES:
-        gamma = tune._tnb_gamma(mean, shape)
+        gamma = _count._tnb_gamma(mean, shape)
         accounted = library_gamma(mean, shape)
         assert accounted <= gamma <= accounted * (1 + 3e-9), (mean, shape)
         assert rdp_privacy_accountant._truncated_negative_binomial_mean(gamma, shape) <= mean
@@ -191,12 +191,12 @@ def test_the_drawn_count_is_never_more_than_the_accounted_one(fallback, monkeypa
 @pytest.mark.parametrize("mean, shape", [(4.0, 0.0), (4.0, 0.5), (2.5, 3.0)])
 def test_the_fallback_draws_follow_the_accounted_distribution(mean, shape, monkeypatch):
     """Without dp_accounting's private inversion the count is drawn from the same pmf."""
-    monkeypatch.setattr(tune, "_library_gamma", None)
+    monkeypatch.setattr(_count, "_library_gamma", None)
     rng = np.random.default_rng(12)
-    counts = [tune._draw_count(rng, mean, shape) for _ in range(3000)]
+    counts = [_count._draw_count(rng, mean, shape) for _ in range(3000)]
     assert chi_square_pvalue(counts, mean, shape) > 1e-3
     assert abs(np.mean(counts) - mean) < 5 * np.std(counts) / len(counts) ** 0.5
-    wrong = [tune._draw_count(rng, mean * 1.3, shape) for _ in range(3000)]  # the test can fail
+    wrong = [_count._draw_count(rng, mean * 1.3, shape) for _ in range(3000)]  # the test can fail
     assert chi_square_pvalue(wrong, mean, shape) < 1e-6
 
 
@@ -401,7 +401,7 @@ def test_a_seed_reused_across_a_resume_is_refused(tmp_path):
 
 def test_malformed_outcomes_are_refused():
     search = RandomSearch({}, CONFIG, N, mean_trials=2, shape=1.0, score_noise_multiplier=1.0,
-                          retries=2)  # fmt: skip
+                          validation_size=50, retries=2)  # fmt: skip
     with pytest.raises(TypeError, match="returns dpfunc.tune.Outcome"):
         search.run(lambda h, c, s: 0.5)
     with pytest.raises(TypeError, match="Trainer"):
@@ -421,7 +421,9 @@ def test_the_private_score_is_the_clamped_sum_with_the_stated_noise():
     def trial(hyperparameters, config, seed):
         return Outcome(FakeRun(config, seed), values)
 
-    search = RandomSearch({}, CONFIG, N, mean_trials=400, score_noise_multiplier=5.0, seed=11)
+    search = RandomSearch(
+        {}, CONFIG, N, mean_trials=400, score_noise_multiplier=5.0, validation_size=100, seed=11
+    )
     scores = np.array([t.score for t in search.run(trial).trials])
     assert stats.kstest((scores - 0.6) / 0.05, "norm").pvalue > 1e-3
     assert stats.kstest((scores - 0.6) / 0.025, "norm").pvalue < 1e-3
@@ -445,7 +447,7 @@ def test_the_released_best_does_not_tell_where_it_stands_in_the_trial_list():
     """The index of the best trial bounds K from below, which the theorem hides: the released
     record holds the best trial's hyperparameters, score and steps, and no index or attempts."""
     search = RandomSearch({"lr": LogUniform(0.01, 1.0)}, CONFIG, N, mean_trials=10, shape=1.0,
-                          score_noise_multiplier=2.0, seed=5)  # fmt: skip
+                          score_noise_multiplier=2.0, validation_size=50, seed=5)  # fmt: skip
     result = search.run(lambda h, c, s: Outcome(FakeRun(c, s), torch.ones(50), result="net"))
     assert len(result.trials) >= 2
     assert type(result.best)._fields == ("hyperparameters", "score", "steps")
@@ -483,7 +485,7 @@ def test_a_single_point_space():
 def test_the_report_names_the_search_and_what_is_released():
     # geometric: K >= 1
     search = RandomSearch({"lr": LogUniform(0.01, 1.0)}, CONFIG, N, mean_trials=3, shape=1.0,
-                          score_noise_multiplier=2.0)  # fmt: skip
+                          score_noise_multiplier=2.0, validation_size=50)  # fmt: skip
     result = search.run(lambda h, c, s: Outcome(FakeRun(c, s), torch.ones(50)))
     report = result.privacy_report()
     text = str(report)
@@ -574,7 +576,7 @@ def test_a_search_resumes_from_its_checkpoint(tmp_path):
     path = tmp_path / "search.pt"
     space = {"lr": LogUniform(1e-3, 1.0)}
     settings = dict(mean_trials=20, shape=1.0, score_noise_multiplier=3.0, checkpoint_path=path,
-                    seed=1, retries=1)  # fmt: skip
+                    validation_size=40, seed=1, retries=1)  # fmt: skip
     calls = []
 
     def crashing(hyperparameters, config, seed):
@@ -612,7 +614,13 @@ def test_a_search_resumes_from_its_checkpoint(tmp_path):
 def test_a_resumed_secret_search_draws_a_fresh_secret(tmp_path):
     """The fork rule: two continuations of one checkpoint never share score noise."""
     path = tmp_path / "search.pt"
-    settings = dict(mean_trials=3, shape=1.0, score_noise_multiplier=3.0, checkpoint_path=path)
+    settings = dict(
+        mean_trials=3,
+        shape=1.0,
+        score_noise_multiplier=3.0,
+        validation_size=40,
+        checkpoint_path=path,
+    )
     first = RandomSearch({}, CONFIG, N, **settings)
     first.close()
     with pytest.warns(UserWarning, match="resuming"):
@@ -660,7 +668,8 @@ def test_a_real_search_with_the_trainer():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = tune.search(trial, {"lr": LogUniform(0.01, 1.0)}, config, 200, mean_trials=3,
-                             shape=1.0, score_noise_multiplier=2.0)  # fmt: skip
+                             shape=1.0, score_noise_multiplier=2.0,
+                             validation_size=100)  # fmt: skip
     assert result.best is not None and set(result.result) == {"weight", "bias"}
     assert result.epsilon() <= 4.0 and result.trial_config.noise_multiplier > 0
     assert all(t.steps == 4 for t in result.trials)
@@ -670,7 +679,7 @@ def test_a_real_search_with_the_trainer():
 
     with pytest.raises(RuntimeError, match="seed was fixed"):
         tune.search(fixed_seed, {"lr": 0.1}, config, 200, mean_trials=2, shape=1.0,
-                    score_noise_multiplier=2.0)  # fmt: skip
+                    score_noise_multiplier=2.0, validation_size=100)  # fmt: skip
 
 
 # -- the audit ------------------------------------------------------------------------------
@@ -686,7 +695,9 @@ def test_a_canary_audit_of_the_whole_search_stays_under_its_epsilon():
     config = dpfunc.DPConfig(clip_norm=1.0, expected_batch_size=n, epochs=2,
                              noise_multiplier=3.0, delta=1e-5)  # fmt: skip
     space = {"lr": LogUniform(0.5, 2.0)}
-    settings = dict(mean_trials=3, shape=1.0, score_noise_multiplier=5.0)
+    settings = dict(
+        mean_trials=3, shape=1.0, score_noise_multiplier=5.0, validation_size=len(y_val)
+    )
     searches = iter(range(100))
 
     def train(dataset, config, seed, lr=1.0):
@@ -734,7 +745,7 @@ def test_a_relative_checkpoint_path_stays_put_when_a_trial_changes_directory(tmp
         return Outcome(FakeRun(config, seed), torch.rand(40))
 
     search = RandomSearch({}, CONFIG, N, mean_trials=4, shape=1.0, score_noise_multiplier=3.0,
-                          seed=3, checkpoint_path="search.pt")  # fmt: skip
+                          validation_size=40, seed=3, checkpoint_path="search.pt")  # fmt: skip
     result = search.run(wandering)
     search.close()
     saved = torch.load(tmp_path / "search.pt", weights_only=True)
@@ -743,13 +754,16 @@ def test_a_relative_checkpoint_path_stays_put_when_a_trial_changes_directory(tmp
 
 
 def test_a_private_metric_of_one_element_is_refused():
-    search = RandomSearch({}, CONFIG, N, mean_trials=2, shape=1.0, score_noise_multiplier=1.0)
+    search = RandomSearch(
+        {}, CONFIG, N, mean_trials=2, shape=1.0, score_noise_multiplier=1.0, validation_size=100
+    )
     with pytest.raises(ValueError, match="shape \\(1,\\).*validation set of one example"):
         search.run(lambda h, c, s: Outcome(FakeRun(c, s), torch.tensor([0.93])))
 
 
 def test_a_declared_validation_size_divides_the_noisy_sum():
-    """Under add-or-remove, the realised size is private: the score divides by a constant."""
+    """Under add-or-remove, the realised size is private: the score divides by a constant, which
+    a private score must be given."""
     values = torch.ones(50)  # the trial returns 50 values; the declared size is 100
     search = RandomSearch({}, CONFIG, N, mean_trials=400, score_noise_multiplier=5.0, seed=11,
                           validation_size=100)  # fmt: skip
@@ -758,6 +772,8 @@ def test_a_declared_validation_size_divides_the_noisy_sum():
     assert stats.kstest((scores - 0.5) / 0.05, "norm").pvalue > 1e-3  # 50 / 100, not 50 / 50
     with pytest.raises(ValueError, match="validation_size"):
         RandomSearch({}, CONFIG, N, mean_trials=2, score="public", validation_size=100)
+    with pytest.raises(ValueError, match="give validation_size=.*got validation_size=None"):
+        RandomSearch({}, CONFIG, N, mean_trials=2, score_noise_multiplier=5.0)  # the count: no
 
 
 @pytest.mark.parametrize(
@@ -797,8 +813,8 @@ def test_a_result_that_releases_the_secret_or_the_data_is_refused(leak):
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match=f"Outcome.result\\['{leak}'\\].*never the run"):
             tune.search(trial, {}, config, 200, mean_trials=2, shape=1.0,
-                        score_noise_multiplier=2.0)  # fmt: skip
+                        score_noise_multiplier=2.0, validation_size=50)  # fmt: skip
         leak = None  # the control: the trained parameters
         result = tune.search(trial, {}, config, 200, mean_trials=2, shape=1.0,
-                             score_noise_multiplier=2.0)  # fmt: skip
+                             score_noise_multiplier=2.0, validation_size=50)  # fmt: skip
     assert set(result.result) == {"params"}
