@@ -19,12 +19,16 @@ autocast), with activation checkpointing off and on (``gradient_checkpointing=Tr
 The ratio compares time per example: one private step's time over the examples it
 drew (the step after the first, which plans and checks each shape), against six plain
 steps' over their 8 each (after two). Peak memory is the process's peak resident set
-(``ru_maxrss``); every run is a fresh process.
+(``ru_maxrss``), the first private step's plan and per-example check included; the
+steps' peak is the peak resident set of the measured steps alone (the kernel's
+``VmHWM``, reset through ``/proc/self/clear_refs`` after the warm-up steps); every
+run is a fresh process.
 
 **Activation checkpointing at T = 1024.** The same model on 2048 sequences of 1024
-tokens, one step each in fp32: ``plain`` with a batch of 4, ``private`` with
-``expected_batch_size=8`` in micro-batches of 4 (its first step, with the plan and
-the batched check); peak resident memory with checkpointing off and on.
+tokens in fp32: ``plain`` one step with a batch of 4, ``private`` two steps with
+``expected_batch_size=8`` in micro-batches of 4; peak resident memory with
+checkpointing off and on, of the whole process and of the measured step alone (the
+private run's second step).
 
 **A corpus larger than memory.** 1,000,000 rows of 512 int32 tokens in an Arrow file
 (``datasets.Dataset``, memory-mapped: 2 GB on disk), trained by ``PrivateTrainer`` on a
@@ -65,8 +69,32 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def rss_parts_mb() -> dict:
+    """The resident set's anonymous and file-backed parts (a memory-mapped corpus is the
+    latter: pages the kernel can drop), from /proc/self/status."""
+    parts = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:")):
+                parts[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return {"anon_mb": parts.get("RssAnon", 0.0), "file_mb": parts.get("RssFile", 0.0)}
+
+
 def peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak() -> None:
+    """Resets the kernel's peak resident set (VmHWM) to the current one (Linux 4.0 on)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def steady_peak_mb() -> float:
+    """The peak resident set since :func:`reset_peak` (VmHWM), in MB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
 
 
 def collator():
@@ -118,12 +146,14 @@ def one_run(name: str, quick: bool) -> dict:
     private = kind == "private"
     warmup, measured = (1, 1) if private else (2, 6)
     physical, expected = (4, 8) if long else (8, 64)
-    if long:
-        warmup, measured = 0, 1
+    if long:  # the private run's second step: its steps' peak without the first's plan
+        warmup, measured = (1, 1) if private else (0, 1)
     stamps: list[float] = []
 
     class Clock(transformers.TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
+            if len(stamps) == 2 * warmup:  # the measured steps' own peak, past the first's plan
+                reset_peak()
             stamps.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -157,7 +187,7 @@ def one_run(name: str, quick: bool) -> dict:
     per_example = sum(times[warmup:]) / sum(examples)
     return {"seconds_per_example": per_example, "first_step_s": times[0],
             "median_step_s": statistics.median(times[warmup:]), "examples": sum(examples),
-            "peak_mb": peak_mb()}  # fmt: skip
+            "peak_mb": peak_mb(), "steady_peak_mb": steady_peak_mb()}  # fmt: skip
 
 
 def corpus_run(quick: bool) -> dict:
@@ -187,7 +217,7 @@ def corpus_run(quick: bool) -> dict:
 
         datasets.Dataset.from_generator(chunks, features=features).save_to_disk(path)
     corpus = datasets.load_from_disk(path)
-    start = rss_mb()
+    start, start_parts = rss_mb(), rss_parts_mb()
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=2,
                                      n_positions=1024)  # fmt: skip
@@ -203,13 +233,14 @@ def corpus_run(quick: bool) -> dict:
                              privacy=dpfunc.DPConfig(expected_batch_size=64, clip_norm=1.0,
                                                      noise_multiplier=1.0, delta=1e-7))  # fmt: skip
     build_s = time.perf_counter() - built
-    before = rss_mb()
+    before, before_parts = rss_mb(), rss_parts_mb()
     trainer.train()
     arrow_gb = sum(f.stat().st_size for f in Path(path).glob("*.arrow")) / 2**30
     return {"rows": rows, "tokens_per_row": tokens, "rss_start_mb": start,
             "rss_before_step_1_mb": before, "rss_after_20_steps_mb": rss_mb(),
             "trainer_build_s": build_s, "steps": trainer.private.steps_done,
-            "arrow_gb": arrow_gb}  # fmt: skip
+            "arrow_gb": arrow_gb, "parts_start": start_parts, "parts_before_step_1": before_parts,
+            "parts_after_20_steps": rss_parts_mb()}  # fmt: skip
 
 
 def table(results: dict, corpus: dict | None) -> str:
@@ -224,9 +255,19 @@ def table(results: dict, corpus: dict | None) -> str:
         "the docstring of `bench/hf_scale.py`.",
         "",
         "| precision | checkpointing | plain s/example | private s/example | x plain time "
-        "| plain peak MB | private peak MB | x plain memory | private first step s |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| plain peak MB | private peak MB | x plain memory | plain steps' peak MB "
+        "| private steps' peak MB | x plain | private first step s |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+
+    def steady(run: dict) -> str:
+        return f"{run['steady_peak_mb']:.0f}" if "steady_peak_mb" in run else "-"
+
+    def steady_ratio(plain: dict, private: dict) -> str:
+        if "steady_peak_mb" not in plain or "steady_peak_mb" not in private:
+            return "-"
+        return f"{private['steady_peak_mb'] / plain['steady_peak_mb']:.2f}x"
+
     for precision in ("fp32", "bf16"):
         for ckpt in ("nockpt", "ckpt"):
             plain = results.get(f"plain_{precision}_{ckpt}")
@@ -238,27 +279,31 @@ def table(results: dict, corpus: dict | None) -> str:
                 f"{plain['seconds_per_example']:.3f} | {private['seconds_per_example']:.3f} | "
                 f"{private['seconds_per_example'] / plain['seconds_per_example']:.2f}x | "
                 f"{plain['peak_mb']:.0f} | {private['peak_mb']:.0f} | "
-                f"{private['peak_mb'] / plain['peak_mb']:.2f}x | {private['first_step_s']:.1f} |"
+                f"{private['peak_mb'] / plain['peak_mb']:.2f}x | {steady(plain)} | "
+                f"{steady(private)} | {steady_ratio(plain, private)} | "
+                f"{private['first_step_s']:.1f} |"
             )
     long = {name: results[name] for name in LONG if name in results}
     if long:
         lines += [
             "",
-            "Activation checkpointing at T = 1024 (fp32; one step: the plain one of 4 "
-            "sequences, the private one of 8 expected in micro-batches of 4, its first step "
-            "with the plan and the check): peak resident memory, MB.",
+            "Activation checkpointing at T = 1024 (fp32; the plain run one step of 4 "
+            "sequences, the private one two steps of 8 expected in micro-batches of 4): peak "
+            "resident memory of the process (the private one's first step, with the plan and "
+            "the per-example check, included) and of the measured step alone, MB.",
             "",
-            "| run | checkpointing off | on | saved |",
-            "| --- | ---: | ---: | ---: |",
+            "| run | peak | off | on | saved |",
+            "| --- | --- | ---: | ---: | ---: |",
         ]
         for kind in ("plain", "private"):
             off, on = long.get(f"t1024_{kind}_nockpt"), long.get(f"t1024_{kind}_ckpt")
-            if off and on:
-                saved = off["peak_mb"] - on["peak_mb"]
-                lines.append(
-                    f"| {kind} | {off['peak_mb']:.0f} | {on['peak_mb']:.0f} | "
-                    f"{saved:.0f} ({saved / off['peak_mb']:.0%}) |"
-                )
+            for key, what in (("peak_mb", "process"), ("steady_peak_mb", "the step")):
+                if off and on and key in off and key in on:
+                    saved = off[key] - on[key]
+                    lines.append(
+                        f"| {kind} | {what} | {off[key]:.0f} | {on[key]:.0f} | "
+                        f"{saved:.0f} ({saved / off[key]:.0%}) |"
+                    )
     gaps = Path(__file__).with_name("bf16_gap.jsonl")
     if gaps.exists():
         rows = [json.loads(line) for line in gaps.read_text().splitlines() if line.strip()]
@@ -284,8 +329,27 @@ def table(results: dict, corpus: dict | None) -> str:
             f"{corpus['rss_start_mb']:.0f} MB with the corpus opened, "
             f"{corpus['rss_before_step_1_mb']:.0f} MB before step 1 (the trainer built in "
             f"{corpus['trainer_build_s']:.1f} s), {corpus['rss_after_20_steps_mb']:.0f} MB after "
-            f"{corpus['steps']} steps.",
+            f"{corpus['steps']} steps"
+            + (
+                f" ({corpus['parts_after_20_steps']['anon_mb']:.0f} MB anonymous, "
+                f"{corpus['parts_after_20_steps']['file_mb']:.0f} MB file-backed: pages of "
+                "the libraries and of the memory-mapped corpus, which the kernel can drop)."
+                if "parts_after_20_steps" in corpus
+                else "."
+            ),
         ]
+        small = corpus.get("small")
+        if small:
+            lines.append(
+                f"The same with {small['rows']:,} rows: {small['rss_start_mb']:.0f}, "
+                f"{small['rss_before_step_1_mb']:.0f} and {small['rss_after_20_steps_mb']:.0f} MB"
+                + (
+                    f" ({small['parts_after_20_steps']['anon_mb']:.0f} MB anonymous, "
+                    f"{small['parts_after_20_steps']['file_mb']:.0f} MB file-backed)."
+                    if "parts_after_20_steps" in small
+                    else "."
+                )
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,10 @@ makes ``p.grad`` the private step's alone while its run lives:
   ``closure`` (the closure recomputes ``p.grad`` inside the step, after the
   check: it would be stepped un-noised). It runs eagerly under
   ``torch.compile`` (``torch.compiler.disable``): a compiled
-  ``optimizer.step`` is checked at every call, not only while it is traced.
+  ``optimizer.step`` is checked at every call, not only while it is traced;
+- **one global post-step check** raises if the gradient stepped was not the
+  one checked (an optimizer's own pre-step hook, which runs after the global
+  one, replaced it): too late to keep the model, but never silent.
 
 The guard holds its run's state (what was written, whether it was applied)
 and the parameters' ids; hooks and the global check hold the guard weakly,
@@ -31,14 +34,17 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 # id(parameter) -> (its guard, held weakly; its name if trainable there, else None). Ids, not
 # weak references to the parameters (torch.utils.swap_tensors refuses tensors that have
 # one); a live guard holds its model's parameters, so their ids stay theirs while it lives.
 _GUARDED: dict[int, tuple[Any, str | None]] = {}
 _LOCK = threading.RLock()  # re-entered when a collection runs a finalizer inside it
-_OPTIMIZER_HOOK: list[Any] = []  # the handle of the one global optimizer pre-step check
+_OPTIMIZER_HOOK: list[Any] = []  # the handles of the global optimizer checks, before and after
 
 
 class GradGuard:
@@ -72,6 +78,8 @@ class GradGuard:
             if not _OPTIMIZER_HOOK:  # eager under torch.compile: checked at every call
                 check = torch.compiler.disable(_check_before_step)  # (imports Dynamo)
                 _OPTIMIZER_HOOK.append(register_optimizer_step_pre_hook(check))
+                after = torch.compiler.disable(_check_after_step)
+                _OPTIMIZER_HOOK.append(register_optimizer_step_post_hook(after))
         self._finalizer = weakref.finalize(self, _release, handles, params, me)
 
     def remove(self) -> None:
@@ -213,7 +221,9 @@ def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
             f"also {len(others)} tensor(s) outside that model holding a gradient (of shape "
             f"{tuple(others[0].shape)}, ...) that no private step wrote: a head or a "
             "temperature trained by autograd on the data, without clipping or noise. Make "
-            "them part of the model, or give them an optimizer of their own"
+            "them part of the model (a submodule or parameter: the private step then trains "
+            "them), or freeze them. Training them on the data in any other way, with this "
+            "optimizer or another, is not private and not covered by the run's epsilon"
         )
     if guarded and closure is not None:
         raise RuntimeError(
@@ -230,3 +240,29 @@ def _check_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
     for guard, p, name in guarded:
         if name is not None and p.grad is not None:
             guard.applied = True
+
+
+def _check_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Raises if the step applied a ``.grad`` that is no longer the private one it was checked as.
+
+    Runs after the optimizer's own pre-step hooks and the step: one of those
+    (``optimizer.register_step_pre_hook``, a step overridden to recompute
+    ``.grad``) can replace the gradient after the check before the step. The
+    parameters have moved by then; the error says so, loudly, rather than let
+    the run go on as private.
+    """
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            me, name = _GUARDED.get(id(p), (None, None))
+            guard = me() if me is not None else None
+            if guard is None or name is None or p.grad is None or not p.requires_grad:
+                continue
+            if guard.written.get(name) is not None and not guard.pending(name):
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() applied a .grad of {name!r} that is not "
+                    "the private gradient it was checked as: something replaced it after "
+                    "dpfunc's check and before the update (an optimizer's own pre-step hook, "
+                    "register_step_pre_hook, or a step that recomputes .grad). The model has "
+                    "moved by a gradient without clipping or noise, which the run's epsilon "
+                    "does not cover: remove that hook, and reload the model from before this step"
+                )

@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from . import checkpoint as _checkpoint
 from . import optim
 from ._checks import check_choice, check_int, check_per_example
+from ._forward_state import StateWatch
 from ._grad_guard import GradGuard
 from ._plan import PlannedRun, RunPlan
 from .config import DPConfig, SpeedConfig, settings_from
@@ -183,6 +184,7 @@ class PrivateGradients(PlannedRun):
         self._released = 0  # private gradients this object wrote (loading one's own: refused)
         self._closed = False
         self._guard = GradGuard(model, self._trainable)  # p.grad is the private step's alone
+        self._watch = StateWatch(model, self.step_fn.sharded)  # nothing else the forward moves
         _run_backward_eagerly()
 
     def batches(self, steps: int | None = None) -> Iterator[LogicalBatch]:
@@ -275,6 +277,7 @@ class PrivateGradients(PlannedRun):
         noise = self._draw_noise(params, t)
         metrics: dict[str, float] = {}
         self._guard.writing = True
+        self._watch.start()
         try:
             with fsdp_hooks_off(self.model) if self.step_fn.sharded else nullcontext():
                 private, state, _ = self.step_fn.logical_gradient(
@@ -282,6 +285,17 @@ class PrivateGradients(PlannedRun):
                 )
         finally:
             self._guard.writing = False
+            moved = self._watch.moved()  # (put back whether the step ran or raised)
+        if moved:
+            raise ValueError(
+                f"the model's forward changed {moved[:5]}{'...' if len(moved) > 5 else ''} in "
+                f"place during step {t}: what a forward writes into the model's own state "
+                "comes from the data with no noise, and the model would carry it out "
+                "(state_dict, later outputs). The step was accounted, no gradient was written, "
+                "and the buffers were put back as they were (a parameter cannot be: reload it). "
+                "Keep the forward free of in-place updates (running statistics, caches of the "
+                "input, renormalised weights)"
+            )
         written = {name: _like(p, private[name].to(p.dtype)) for name, p in self._trainable}
         self._guard.write(written, step=t)
         self._released += 1
@@ -346,7 +360,7 @@ class PrivateGradients(PlannedRun):
             # the probe's dropout must not move the generators the steps' dropout draws from
             cuda = sorted({p.device.index or 0 for p in whole.values() if p.device.type == "cuda"})
             outside = []
-            before = _moved_in_place(self.model, sharded)
+            self._watch.start()
             try:
                 with (
                     torch.random.fork_rng(devices=cuda),
@@ -361,7 +375,7 @@ class PrivateGradients(PlannedRun):
                     outside = [t for t in second if any(t is u for u in first)]
             except Exception:  # the step itself raises it, explained
                 pass
-            if moved := before():
+            if moved := self._watch.moved():
                 raise ValueError(
                     f"the model's forward changed {moved[:5]}{'...' if len(moved) > 5 else ''} "
                     "in place, reading one example (the check before the first step): what a "
@@ -519,57 +533,6 @@ def _run_backward_eagerly() -> None:
         eager = torch.compiler.disable(PrivateGradients.backward)
         eager._dpfunc_eager = True
         PrivateGradients.backward = eager
-
-
-def _moved_in_place(model: nn.Module, sharded: bool) -> Any:
-    """A check of what changes in ``model`` from now: a call that names what moved.
-
-    The call returns the names of the parameters written in place since
-    (their version counters moved) and of the buffers written, replaced,
-    added or removed (their tensors, versions and values compared with
-    copies taken here: buffers are small), and puts the buffers back as
-    they were (parameters are not copied). A sharded model's parameters
-    are left out (FSDP2 moves them).
-    """
-    parameters = [] if sharded else list(model.named_parameters())
-    versions = [p._version for _, p in parameters]
-    buffers = dict(model.named_buffers())
-    before = {name: (b, b._version, b.detach().clone()) for name, b in buffers.items()}
-
-    def moved() -> list[str]:
-        names = [f"parameter {name!r}" for (name, p), version in zip(parameters, versions)
-                 if p._version != version]  # fmt: skip
-        now = dict(model.named_buffers())
-        changed = sorted(
-            name for name in now.keys() | before.keys()
-            if name not in now or name not in before or now[name] is not before[name][0]
-            or now[name]._version != before[name][1]
-            or not _same_values(now[name].detach(), before[name][2])
-        )  # fmt: skip
-        names += [f"buffer {name!r}" for name in changed]
-        if changed:
-            for name in changed:
-                owner, _, leaf = name.rpartition(".")
-                module = model.get_submodule(owner)
-                if name in before:
-                    tensor, _, copy = before[name]
-                    with torch.no_grad():
-                        tensor.copy_(copy)
-                    module._buffers[leaf] = tensor
-                else:
-                    del module._buffers[leaf]
-        return names
-
-    return moved
-
-
-def _same_values(a: Tensor, b: Tensor) -> bool:
-    """Equal shapes, dtypes and values, NaN equal to NaN (a buffer may hold one)."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
-    return torch.equal(a, b)
 
 
 def _grad_leaves(loss: Any) -> list[Tensor]:

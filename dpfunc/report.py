@@ -53,6 +53,12 @@ NOT_COVERED = (
     "any choice driven by the non-private loss or by evaluation on private data (e.g. "
     "ReduceLROnPlateau on the training loss) makes the run a function of data read without "
     "noise; drive them by the step count, or by public or privately released values",
+    "what the caller does to the private gradient: PrivateGradients writes p.grad and checks "
+    "that the optimizer steps it, but an in-place change in between (p.grad.add_ of another "
+    "gradient, a hand-written update read from another backward) is not seen; only changes "
+    "computed from the parameters and public values (weight decay, clipping the noisy "
+    "gradient) keep the guarantee, and anything trained outside the private step (a tensor "
+    "outside the model) is not covered",
     "side channels of the training process (its timing, memory, the realised batch sizes)",
 )
 """What the guarantee of a report does not cover, in the words the report prints."""

@@ -526,15 +526,24 @@ def test_the_saved_report_names_the_step_of_the_weights_and_how_they_were_chosen
     assert saved["after_step"] == best and report["steps"] == 6
     assert "eval_loss on the eval set" in saved["chosen_by"] and "private" in saved["chosen_by"]
     config = trainer.private.config
-    assert saved["epsilon_of_its_steps"] == dpfunc.accounting.epsilon(
-        config.noise_multiplier, trainer.private.plan.sample_rate, best, 1e-5
+    # the choice compared the checkpoints of all 6 steps: the weights of step `best` depend on
+    # every one of them, so their epsilon is the run's, not that of the first `best` steps
+    assert (
+        saved["epsilon"]
+        == report["epsilon"]
+        == dpfunc.accounting.epsilon(
+            config.noise_multiplier, trainer.private.plan.sample_rate, 6, 1e-5
+        )
     )
-    assert saved["epsilon_of_its_steps"] <= report["epsilon"]
+    assert "up to step 6" in saved["note"]
     plain = lm_trainer(tmp_path / "plain")
     plain.train()
     plain.save_model(str(tmp_path / "plain"))
     saved = json.loads((tmp_path / "plain" / PRIVACY_REPORT).read_text())["saved_weights"]
     assert saved["after_step"] == 3 and saved["chosen_by"] == "the last step's weights"
+    assert (
+        saved["epsilon"] == json.loads((tmp_path / "plain" / PRIVACY_REPORT).read_text())["epsilon"]
+    )
 
 
 def test_gradient_checkpointing_trains_as_without_it(tmp_path):

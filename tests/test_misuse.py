@@ -820,3 +820,116 @@ def test_a_tensor_outside_the_model_in_the_same_optimizer_is_not_stepped():
     assert float(temperature) == 1.0
     temperature.grad = None
     optimizer.step()  # the control: its gradient cleared, the private step is taken
+
+
+# ------------------------------------------------------------------ the review of round two
+
+
+class BatchStandardise(nn.Module):
+    """Batch statistics written by hand, in training mode only: no nn BatchNorm to find."""
+
+    def forward(self, h):
+        return (h - h.mean(0)) / (h.std(0) + 1e-5) if self.training and h.shape[0] > 1 else h
+
+
+def test_a_layer_that_mixes_the_batch_only_in_training_mode_is_refused():
+    """The batched check compares the passes in eval mode, where this layer does nothing; the
+    check in the steps' own mode sees one example move the others' losses."""
+
+    def build(norm):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(5, 8), norm, nn.Tanh(), nn.Linear(8, 3))
+
+    for norm, refused in ((BatchStandardise(), True), (nn.LayerNorm(8), False)):  # and the control
+        model = build(norm)
+
+        @dpfunc.batched_loss
+        def losses(params, batch, model=model):
+            x, y = batch
+            return F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
+
+        private = dpfunc.PrivateGradients(
+            model, losses, data(), expected_batch_size=EXPECTED, clip_norm=CLIP,
+            noise_multiplier=1.0, delta=1e-5, epochs=2, method="ghost", seed=0,
+        )  # fmt: skip
+        if refused:
+            with pytest.raises(ValueError, match="mixes the examples of a batch in training mode"):
+                private.backward(next(private.batches(1)))
+            assert private.epsilon(1e-5) == 0.0 and all(p.grad is None for p in model.parameters())
+        else:
+            private.backward(next(private.batches(1)))
+            assert private.steps_done == 1
+
+
+class CacheOfTheInput(nn.Module):
+    """Keeps a row of its input from the third call on: after the first step's check."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("last", torch.zeros(5))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls >= 3:
+            self.last = x.detach().reshape(-1, 5)[0].clone()  # a training row, verbatim
+        return x
+
+
+@pytest.mark.parametrize("method", ["vmap", "ghost"])
+def test_a_buffer_written_on_a_later_step_is_refused_and_put_back(method):
+    cache = CacheOfTheInput()
+    model = nn.Sequential(cache, mlp())
+
+    @dpfunc.batched_loss
+    def losses(params, batch):
+        x, y = batch
+        return F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
+
+    loss = loss_for(model) if method == "vmap" else losses
+    private = dpfunc.PrivateGradients(
+        model, loss, data(), expected_batch_size=EXPECTED, clip_norm=CLIP, noise_multiplier=1.0,
+        delta=1e-5, epochs=4, method=method, seed=0,
+    )  # fmt: skip
+    original = cache.last
+    with pytest.raises(ValueError, match=r"buffer '0.last'.*during step \d.*put back"):
+        for batch in private.batches(4):
+            private.backward(batch)
+    assert cache.last is original and torch.equal(original, torch.zeros(5))
+    assert torch.equal(model.state_dict()["0.last"], torch.zeros(5))  # nothing of the data
+
+
+def test_a_buffer_the_caller_changes_between_steps_is_kept():
+    """A change outside the private forward is the caller's (loading weights, say): kept."""
+    model = nn.Sequential(CacheOfTheInput(), mlp())
+    model[0].calls = -(10**6)  # never writes in these steps
+    private = private_for(model, noise_multiplier=1.0)
+    batches = private.batches(2)
+    private.backward(next(batches))
+    model[0].last.fill_(3.0)  # the caller's own change, between two steps
+    private.backward(next(batches))
+    assert torch.equal(model[0].last, torch.full((5,), 3.0))
+
+
+def test_a_gradient_replaced_by_the_optimizers_own_pre_hook_is_not_silent():
+    """Per-optimizer pre-step hooks run after the global check: caught after the step."""
+    model = mlp()
+    private = private_for(model, noise_multiplier=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = data()
+
+    def recompute(optimizer, args, kwargs):  # the data's gradient, un-noised
+        for p in model.parameters():
+            p.grad = None
+        with torch.enable_grad():
+            grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+
+    private.backward(next(private.batches(1)))
+    handle = optimizer.register_step_pre_hook(recompute)
+    with pytest.raises(RuntimeError, match="not the private gradient it was checked as"):
+        optimizer.step()
+    handle.remove()
+    private.backward(next(private.batches(1)))  # the control: without the hook, no error
+    optimizer.step()

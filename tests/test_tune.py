@@ -7,9 +7,12 @@ trial would take, and the seed it would carry), so that the search's own logic i
 milliseconds; ``test_a_real_search_with_the_trainer`` runs the Trainer itself.
 """
 
+import base64
 import dataclasses
+import io
 import math
 import os
+import types
 import warnings
 
 import dp_accounting
@@ -759,6 +762,13 @@ def test_a_private_metric_of_one_element_is_refused():
     )
     with pytest.raises(ValueError, match="shape \\(1,\\).*validation set of one example"):
         search.run(lambda h, c, s: Outcome(FakeRun(c, s), torch.tensor([0.93])))
+    summary = torch.tensor([80.0, 100.0])  # [correct, total]: two "examples" of 100 declared
+    settings = dict(mean_trials=2, shape=1.0, score_noise_multiplier=1.0, validation_size=100)
+    with pytest.raises(ValueError, match="holds 2 values, but validation_size=100"):
+        RandomSearch({}, CONFIG, N, **settings).run(lambda h, c, s: Outcome(FakeRun(c, s), summary))
+    one_fewer = lambda h, c, s: Outcome(FakeRun(c, s), torch.ones(99))  # noqa: E731
+    result = RandomSearch({}, CONFIG, N, **settings).run(one_fewer)  # a neighbour's count: fine
+    assert all(t.score > 0.5 for t in result.trials)
 
 
 def test_a_declared_validation_size_divides_the_noisy_sum():
@@ -776,9 +786,17 @@ def test_a_declared_validation_size_divides_the_noisy_sum():
         RandomSearch({}, CONFIG, N, mean_trials=2, score_noise_multiplier=5.0)  # the count: no
 
 
+@dataclasses.dataclass
+class Kept:
+    """A result's own container: its fields are looked into too."""
+
+    state: object
+
+
 @pytest.mark.parametrize(
     "leak", ["run", "plan", "state_dict", "seed", "stream_seed", "seed_hex", "data", "data_copy",
-             "rows"],
+             "rows", "seed_bytes", "seed_base64", "saved", "namespace", "dataclass", "sampler",
+             "numpy", "half", "transposed", "metric"],
 )  # fmt: skip
 def test_a_result_that_releases_the_secret_or_the_data_is_refused(leak):
     generator = torch.Generator().manual_seed(0)
@@ -804,14 +822,27 @@ def test_a_result_that_releases_the_secret_or_the_data_is_refused(leak):
             "data": x, "data_copy": [x.clone()], "rows": x[3:7].double(),
             "params": dict(trainer.params),
         }  # fmt: skip
+        state = dpfunc.checkpoint.state_dict(trainer)
+        size = (trainer.seed.bit_length() + 7) // 8
+        saved = io.BytesIO()
+        torch.save(state, saved)
+        metric = torch.ones(50)
+        result |= {
+            "seed_bytes": trainer.seed.to_bytes(size, "big"),
+            "seed_base64": base64.b64encode(trainer.seed.to_bytes(size, "little")).decode(),
+            "saved": saved.getvalue(), "namespace": types.SimpleNamespace(state=state),
+            "dataclass": Kept({k: v for k, v in state.items() if k != "lineage"}),
+            "sampler": trainer.plan.batches, "numpy": x.numpy(), "half": x.half(),
+            "transposed": x.T.clone(), "metric": metric,
+        }  # fmt: skip
         keep = {"params": result["params"]} if leak is None else {leak: result[leak]}
-        return Outcome(trainer, torch.ones(50), keep)
+        return Outcome(trainer, metric, keep)
 
     config = dpfunc.DPConfig(clip_norm=1.0, expected_batch_size=50, epochs=1,
                              noise_multiplier=2.0, delta=1e-4)  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with pytest.raises(ValueError, match=f"Outcome.result\\['{leak}'\\].*never the run"):
+        with pytest.raises(ValueError, match=f"(?s)Outcome.result\\['{leak}'\\].*never the run"):
             tune.search(trial, {}, config, 200, mean_trials=2, shape=1.0,
                         score_noise_multiplier=2.0, validation_size=50)  # fmt: skip
         leak = None  # the control: the trained parameters

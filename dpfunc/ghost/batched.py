@@ -22,8 +22,11 @@ releases anything:
   one-example loss (the batched loss on a batch of one), example by example,
   to float rounding. A mean over the
   batch, in-batch negatives or any other mixing changes them, and the step
-  raises, naming the example and the likely causes. A batch of one row
-  cannot show mixing, so it keeps the ``vmap`` pass.
+  raises, naming the example and the likely causes. Then, in the mode the
+  steps run in (a layer may mix the examples only while training), the
+  batched losses with example 0 replaced by another must leave every other
+  example's loss as it was. A batch of one row cannot show mixing, so it
+  keeps the ``vmap`` pass.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+import optree
 import torch
 from torch import nn
 
@@ -99,7 +103,56 @@ def batched_plan(
     finally:
         for module, mode in training.items():
             module.training = mode
+    rtol = TOLERANCE.get(compute_dtype(batched, params, model), TOLERANCE[torch.bfloat16])
+    _check_training_mode(loss_fn, model, params, batch, devices, rtol)
     return batched
+
+
+def _check_training_mode(
+    loss_fn, model: nn.Module, params: Params, batch: PyTree, devices: list, rtol: float
+) -> None:
+    """Raises if, in the mode the steps run in, one example's rows move another's loss.
+
+    The comparison above runs in eval mode, where a layer that mixes the examples
+    only while training (batch statistics written by hand, not an ``nn`` BatchNorm)
+    does nothing. Here the batched loss runs twice in the model's own mode, with the
+    generators at the same state (the same dropout masks: the two batches have one
+    shape): on the batch, and on the batch with row 0 replaced by the first row
+    that differs from it. Every other example's loss must stay as it was.
+    """
+    rows = batch_size(batch)
+    leaves = [t for t in optree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    batched = [t for t in leaves if t.dim() and t.shape[0] == rows]
+    other = next((j for j in range(1, rows) if any(not torch.equal(t[0], t[j]) for t in batched)),
+                 None)  # fmt: skip
+    if other is None or not any(m.training for m in model.modules()):
+        return  # every row alike (nothing can show), or no module trains: eval mode was checked
+
+    def losses(rows_of: PyTree) -> torch.Tensor:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            torch.manual_seed(0)  # the same draws in both passes; none of them leaves the check
+            return loss_fn.batched(params, rows_of).detach().double()
+
+    replaced = optree.tree_map(
+        lambda t: torch.cat([t[other : other + 1], t[1:]])
+        if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == rows else t,
+        batch,
+    )  # fmt: skip
+    before, after = losses(batch), losses(replaced)
+    floor = rtol * 1e-3 * float(before[1:].abs().max())
+    off = (after[1:] - before[1:]).abs() > rtol * before[1:].abs() + floor
+    if bool(off.any()):
+        i = int(off.nonzero()[0]) + 1
+        raise ValueError(
+            f"the batched loss {loss_fn!r} mixes the examples of a batch in training mode: "
+            f"replacing example 0 by another moves example {i}'s loss from "
+            f"{float(before[i]):.6g} to {float(after[i]):.6g} ({int(off.sum())} of "
+            f"{rows - 1} examples moved), while in eval mode each loss reads its own "
+            "example. A layer that uses batch statistics while training (a normalisation "
+            "over the batch written by hand, a running mean, an nn BatchNorm hidden in a "
+            "custom module) mixes the examples: no per-example gradient exists. Normalise "
+            "over each example's own features (LayerNorm, GroupNorm) instead"
+        )
 
 
 def compute_dtype(plan: GhostPlan, params: Params, model: nn.Module | None = None) -> torch.dtype:

@@ -470,19 +470,26 @@ class PrivateTrainer(transformers.Trainer):
                 "the epsilon does not cover if that set is private"
             )
         config = private.config
+        # chosen among checkpoints by their evaluations, the weights depend on every step up to
+        # the last one evaluated: their epsilon is the whole run's, not that of the chosen step
         return {
             "after_step": step,
-            "epsilon_of_its_steps": _epsilon(
+            "epsilon": _epsilon(
                 config.accounted_noise_multiplier,
                 private.plan.sample_rate,
-                step,
+                private.steps_done if best is not None else step,
                 config.delta,
                 config.accounting,
                 bands=config.bands,
             ),  # fmt: skip
             "chosen_by": chosen or "the last step's weights",
-            "note": "epsilon (above) covers every step of the run; the saved weights are a "
-            "function of the first after_step steps",
+            "note": (
+                f"the saved weights are step {step}'s, chosen by comparing every evaluated "
+                f"checkpoint, up to step {private.steps_done}: they depend on all of those "
+                "steps, so their epsilon is the run's"
+                if best is not None
+                else f"the saved weights are a function of the first {step} steps"
+            ),
         }
 
     def _load_best_model(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -67,20 +68,29 @@ class Trial(NamedTuple):
     attempts: int
 
 
-def _check_result(result: Any, run: Any, index: int) -> None:
+def _check_result(result: Any, run: Any, index: int, metric: Any = None) -> None:
     """Refuses a trial's ``result`` that would release what the search's epsilon does not cover.
 
-    Looked for in dicts, lists and tuples: a run (a Trainer, a
-    ``PrivateGradients``, what holds one, as a ``PrivateTrainer`` does, or its
-    plan), a dpfunc state dict, the run's secret seeds (as an int or written in
-    a string, decimal or hex), each of which lets anyone remove the noise, and
-    a tensor of the run's training data (its memory, a copy of a whole
-    column, or rows copied from one). A block list: data kept in another form
+    Looked for in dicts, lists, tuples, sets, numpy object arrays and the
+    attributes of objects (dataclasses, namespaces, models; up to
+    :data:`_MAX_VISITS` values): a run (a Trainer, a ``PrivateGradients``,
+    what holds one, as a ``PrivateTrainer`` does, or its plan), a dpfunc state
+    dict, the run's secret seeds (as an int, written in a string in decimal or
+    hex, or as its bytes, raw, in base64 or in a ``torch.save`` file), each
+    of which lets anyone remove the noise; a tensor or numpy array of the
+    run's training data (its memory, a copy of a whole column, in any dtype
+    or transposed, or rows copied from one); and, with a private score
+    (``metric``), the trial's validation values, which the search releases
+    only noised. A block list: data kept in another form
     is not seen (docs/tuning.md says what ``result`` may hold).
     """
     columns = _data_columns(run)
     secrets = [getattr(run, name, None) for name in ("seed", "stream_seed")]
     secrets = [int(s) for s in secrets if s is not None] if run.seed_is_secret else []
+    texts = [w for s in secrets for w in (str(s), format(s, "x"), format(s, "X"))]
+    raw = [b for s in secrets for b in _seed_bytes(s)]
+    texts += [b.decode("latin-1") for b in raw if b.isascii()]  # base64, written in a string
+    values = None if metric is None else torch.as_tensor(metric).detach().cpu().double()
     seen: set[int] = set()
 
     def leak(value: Any) -> str | None:
@@ -92,16 +102,28 @@ def _check_result(result: Any, run: Any, index: int) -> None:
             return "a dpfunc state dict, which holds the run's secret seed"
         if isinstance(value, int | np.integer) and not isinstance(value, bool):
             return "the run's secret seed" if int(value) in secrets else None
-        if isinstance(value, str | bytes):
-            text = value.decode("latin-1") if isinstance(value, bytes) else value
-            words = [w for s in secrets for w in (str(s), format(s, "x"), format(s, "X"))]
-            return "the run's secret seed, written out" if any(w in text for w in words) else None
-        if isinstance(value, torch.Tensor) and any(_same_data(value, c) for c in columns):
-            return "a tensor of the training data"
+        if isinstance(value, str):
+            return "the run's secret seed, written out" if any(w in value for w in texts) else None
+        if isinstance(value, bytes | bytearray):
+            text = bytes(value).decode("latin-1")
+            if any(w in text for w in texts) or any(b in value for b in raw):
+                return "the run's secret seed, in bytes"
+            return None
+        if isinstance(value, np.ndarray) and value.dtype != object:
+            value = (
+                torch.from_numpy(np.ascontiguousarray(value))
+                if value.dtype.kind in "biuf"
+                else None
+            )
+        if isinstance(value, torch.Tensor):
+            if any(_same_data(value, c) for c in columns):
+                return "a tensor of the training data"
+            if values is not None and _same_data(value, values):
+                return "the trial's private validation values, un-noised"
         return None
 
-    def visit(value: Any, where: str) -> None:
-        if id(value) in seen:  # a result that holds itself
+    def visit(value: Any, where: str, depth: int) -> None:
+        if id(value) in seen or depth > _MAX_DEPTH or len(seen) > _MAX_VISITS:
             return
         seen.add(id(value))
         why = leak(value)
@@ -110,16 +132,41 @@ def _check_result(result: Any, run: Any, index: int) -> None:
                 f"trial {index}: Outcome.result{where} is {why}, which the search would "
                 "release as covered by its epsilon, and it is not: result may hold the "
                 "trained model, its parameters, the hyperparameters and public values, "
-                "never the run, its state_dict, its seed, or training data"
+                "never the run, its state_dict, its seed, training data or the private metric"
             )
         if isinstance(value, dict):
-            for key, item in value.items():
-                visit(item, f"{where}[{key!r}]")
-        elif isinstance(value, list | tuple):
-            for k, item in enumerate(value):
-                visit(item, f"{where}[{k}]")
+            items = [(f"[{key!r}]", item) for key, item in value.items()]
+        elif isinstance(value, list | tuple | set | frozenset):
+            items = [(f"[{k}]", item) for k, item in enumerate(value)]
+        elif isinstance(value, np.ndarray) and value.dtype == object:
+            items = [(f"[{k}]", item) for k, item in enumerate(value.ravel())]
+        elif isinstance(value, (torch.Tensor, np.ndarray, str, bytes, bytearray, *_OPAQUE)):
+            items = []
+        else:
+            attributes = getattr(value, "__dict__", None)
+            items = (
+                [(f".{k}", v) for k, v in attributes.items()]
+                if isinstance(attributes, dict)
+                else []
+            )
+        for step, item in items:
+            visit(item, where + step, depth + 1)
 
-    visit(result, "")
+    visit(result, "", 0)
+
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
+_MAX_DEPTH = 12  # how deep in result the leaks are looked for
+_MAX_VISITS = 100_000  # and at most this many values (a model's attributes included)
+
+
+def _seed_bytes(seed: int) -> list[bytes]:
+    """A seed's bytes as a file may hold them: big- and little-endian (pickle's), and base64."""
+    import base64
+
+    size = max(1, (seed.bit_length() + 7) // 8)
+    forms = [seed.to_bytes(size, "big"), seed.to_bytes(size, "little")]
+    return forms + [base64.b64encode(f).rstrip(b"=") for f in forms]
 
 
 def _is_run(value: Any) -> bool:
@@ -140,8 +187,10 @@ def _data_columns(run: Any) -> list[torch.Tensor]:
 def _same_data(value: torch.Tensor, column: torch.Tensor) -> bool:
     """Whether ``value`` is ``column``'s memory, a copy of it, or holds rows copied from it.
 
-    Rows are compared where they have 8 entries or more and are not constant
-    (a row of zeros or a label would match by chance); up to 4 of ``value``'s.
+    Also a transposed copy, and one in another dtype (the column rounded to
+    it). Rows are compared where they have 8 entries or more and are not
+    constant (a row of zeros or a label would match by chance); up to 4 of
+    ``value``'s.
     """
     if value.layout != torch.strided or column.layout != torch.strided or not value.numel():
         return False
@@ -150,7 +199,11 @@ def _same_data(value: torch.Tensor, column: torch.Tensor) -> bool:
     ):
         return True
     value, column = value.detach().cpu(), column.detach().cpu()
-    if value.shape == column.shape and torch.equal(value.to(column.dtype), column):
+    if value.dim() == 2 and value.shape != column.shape and value.T.shape == column.shape:
+        value = value.T  # a transposed copy
+    if value.shape == column.shape and (
+        torch.equal(value.to(column.dtype), column) or torch.equal(column.to(value.dtype), value)
+    ):
         return True
     row = column.shape[1:]
     if value.dim() != column.dim() or value.shape[1:] != row or row.numel() < 8:

@@ -319,7 +319,8 @@ class RandomSearch:
             types.MappingProxyType(dict(hyperparameters)), self._trial_config(hyperparameters), seed
         )
         steps = self._check_outcome(outcome, index, seed)
-        _check_result(outcome.result, outcome.run, index)
+        _check_result(outcome.result, outcome.run, index,
+                      outcome.metric if self.score == "private" else None)  # fmt: skip
         state["scores"][index] = self._score(outcome.metric, index, attempt)
         state["steps"][index] = steps
         best = state["best"]
@@ -394,6 +395,14 @@ class RandomSearch:
             raise ValueError(
                 f"trial {index}: scored on {values.numel()} validation examples, the earlier "
                 f"trials on {size}; every trial is scored on the same validation set"
+            )
+        declared = self.validation_size
+        if not declared / 2 <= values.numel() <= 2 * declared:  # far off: not one per example
+            raise ValueError(
+                f"trial {index}: Outcome.metric holds {values.numel()} values, but "
+                f"validation_size={declared} was declared: the metric is one value in [0, 1] "
+                "per validation example (a summary such as [correct, total], or one batch's "
+                "values, would be read as that many examples, and the score would be noise)"
             )
         self._state["validation_size"] = values.numel()
         total = torch.nan_to_num(values, nan=0.0).clamp(0.0, 1.0).sum().item()  # sensitivity 1
