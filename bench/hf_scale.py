@@ -283,6 +283,18 @@ def table(results: dict, corpus: dict | None) -> str:
                 f"{steady(private)} | {steady_ratio(plain, private)} | "
                 f"{private['first_step_s']:.1f} |"
             )
+    reruns = [(n, r) for n, r in results.items() if "rerun_peak_mb" in r]
+    if reruns:
+        lines += [
+            "",
+            "The steps' peaks come from a second run of each configuration (a fresh process "
+            "again, on a machine that was not quiet: its times are not used), whose process "
+            "peaks were: "
+            + ", ".join(f"{n} {r['rerun_peak_mb']:.0f} MB" for n, r in reruns)
+            + ". In every second run the process peak was the measured steps' own; the first "
+            "private runs peaked higher (the peak columns), by up to 4.6 GB, in their first "
+            "step, whose plan and per-example check depend on the first Poisson batch.",
+        ]
     long = {name: results[name] for name in LONG if name in results}
     if long:
         lines += [

@@ -19,13 +19,14 @@ class StateWatch:
     :meth:`start` before a forward records each parameter's version counter
     (a sharded model's are left out: FSDP2 moves them) and each buffer's
     tensor, version and value; :meth:`moved` after it names the parameters
-    written in place and the buffers written, replaced, added or removed, and
-    puts the buffers back as they were (a parameter cannot be: it is not
-    copied). The buffers' copies are kept from one forward to the next and
+    written in place and the buffers given other values (in place, through
+    ``.data`` or by a new tensor), added or removed, and puts the buffers
+    back as they were (a parameter cannot be: it is not copied). A write that
+    leaves a buffer's values as they were (an idempotent ``fill_``) is not a
+    change. The buffers' copies are kept from one forward to the next and
     taken again only for a buffer that changed in between (the caller's own
     change, outside the private forward), so a step costs two comparisons of
-    the buffers, not a copy. A write that bypasses the version counter
-    (``buffer.data.copy_``) is seen by the comparison of values.
+    the buffers, not a copy.
     """
 
     def __init__(self, model: nn.Module, sharded: bool):
@@ -50,12 +51,8 @@ class StateWatch:
     def moved(self) -> list[str]:
         names = [f"parameter {n!r}" for n, p, version in self._versions if p._version != version]
         before, now = self._buffers, dict(self.model.named_buffers())
-        changed = sorted(
-            name for name in now.keys() | before.keys()
-            if name not in now or name not in before or now[name] is not before[name][0]
-            or now[name]._version != before[name][1]
-            or not _same_values(now[name].detach(), before[name][2])
-        )  # fmt: skip
+        changed = sorted(name for name in now.keys() | before.keys()
+                         if _changed(now.get(name), before.get(name)))  # fmt: skip
         for name in changed:  # put back as they were
             owner, _, leaf = name.rpartition(".")
             module = self.model.get_submodule(owner)
@@ -68,6 +65,18 @@ class StateWatch:
             else:
                 del module._buffers[leaf]
         return names + [f"buffer {name!r}" for name in changed]
+
+
+def _changed(now: Tensor | None, before: tuple[Tensor, int, Tensor] | None) -> bool:
+    """Whether a buffer was added, removed or given other values (a bare version bump with the
+    same values, an idempotent ``fill_``, is not a change: nothing of the data stays)."""
+    if now is None or before is None:
+        return True
+    _, _, copy = before
+    try:  # values, not versions: a write through .data bypasses the version counter
+        return not _same_values(now.detach(), copy)
+    except Exception:  # a tensor that cannot be read here (one that escaped a vmap)
+        return True
 
 
 def _same_values(a: Tensor, b: Tensor) -> bool:

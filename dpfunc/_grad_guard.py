@@ -257,7 +257,15 @@ def _check_after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) 
             guard = me() if me is not None else None
             if guard is None or name is None or p.grad is None or not p.requires_grad:
                 continue
-            if guard.written.get(name) is not None and not guard.pending(name):
+            written = guard.written.get(name)
+            if written is None or guard.pending(name):
+                continue
+            same = (  # re-materialised with the same values (a copy, a contiguous clone)
+                name not in guard.tainted
+                and p.grad.shape == written.shape
+                and torch.equal(p.grad.to(written.dtype), written)
+            )
+            if not same:
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step() applied a .grad of {name!r} that is not "
                     "the private gradient it was checked as: something replaced it after "

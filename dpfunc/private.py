@@ -290,11 +290,13 @@ class PrivateGradients(PlannedRun):
             raise ValueError(
                 f"the model's forward changed {moved[:5]}{'...' if len(moved) > 5 else ''} in "
                 f"place during step {t}: what a forward writes into the model's own state "
-                "comes from the data with no noise, and the model would carry it out "
+                "may come from the data (it does for running statistics and caches of the "
+                "input), with no noise, and the model would carry it out "
                 "(state_dict, later outputs). The step was accounted, no gradient was written, "
                 "and the buffers were put back as they were (a parameter cannot be: reload it). "
                 "Keep the forward free of in-place updates (running statistics, caches of the "
-                "input, renormalised weights)"
+                "input, renormalised weights, parametrizations such as spectral_norm that update "
+                "their own state in the forward)"
             )
         written = {name: _like(p, private[name].to(p.dtype)) for name, p in self._trainable}
         self._guard.write(written, step=t)
@@ -379,8 +381,9 @@ class PrivateGradients(PlannedRun):
                 raise ValueError(
                     f"the model's forward changed {moved[:5]}{'...' if len(moved) > 5 else ''} "
                     "in place, reading one example (the check before the first step): what a "
-                    "forward writes into the model's own state comes from the data with no "
-                    "noise, and the model would carry it out (state_dict, later outputs). "
+                    "forward writes into the model's own state may come from the data (it "
+                    "does for running statistics and caches of the input), with no noise, and "
+                    "the model would carry it out (state_dict, later outputs). "
                     "Nothing was accounted and the buffers were put back as they were (a "
                     "parameter cannot be: reload it). Keep the forward free of in-place "
                     "updates (running statistics, caches, renormalised weights)"

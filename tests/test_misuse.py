@@ -16,6 +16,7 @@ import sys
 import textwrap
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -933,3 +934,57 @@ def test_a_gradient_replaced_by_the_optimizers_own_pre_hook_is_not_silent():
     handle.remove()
     private.backward(next(private.batches(1)))  # the control: without the hook, no error
     optimizer.step()
+
+
+def test_randomness_in_a_batched_loss_is_not_taken_for_mixing_in_training_mode():
+    """Numpy's global generator is put back for each pass; a generator of the loss's own cannot
+    be, and the training-mode check then warns instead of refusing."""
+    own = torch.Generator().manual_seed(1)
+
+    class Masking(nn.Module):
+        def __init__(self, draw):
+            super().__init__()
+            self.draw = draw
+
+        def forward(self, h):
+            return h * self.draw(h.shape) if self.training else h
+
+    draws = {
+        "numpy": lambda shape: torch.from_numpy(np.random.rand(*shape) > 0.2).float(),
+        "own": lambda shape: (torch.rand(shape, generator=own) > 0.2).float(),
+    }
+    for kind, draw in draws.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), Masking(draw), nn.Tanh(), nn.Linear(8, 3))
+
+        @dpfunc.batched_loss
+        def losses(params, batch, model=model):
+            x, y = batch
+            return F.cross_entropy(functional_call(model, params, (x,)), y, reduction="none")
+
+        private = dpfunc.PrivateGradients(
+            model, losses, data(), expected_batch_size=EXPECTED, clip_norm=CLIP,
+            noise_multiplier=1.0, delta=1e-5, epochs=2, method="ghost", seed=0,
+        )  # fmt: skip
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            private.backward(next(private.batches(1)))
+        said = [str(w.message) for w in caught if "could not be checked" in str(w.message)]
+        assert private.steps_done == 1 and bool(said) == (kind == "own"), kind
+
+
+def test_an_optimizer_that_copies_the_gradient_it_steps_is_not_refused():
+    class Copying(torch.optim.SGD):
+        def step(self, closure=None):
+            loss = super().step(closure)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.grad = p.grad.clone()  # the same values, another tensor (before the check
+            return loss  # after the step: the private gradient was the one applied)
+
+    model = mlp()
+    private = private_for(model, noise_multiplier=1.0)
+    optimizer = Copying(model.parameters(), lr=0.1)
+    private.backward(next(private.batches(1)))
+    optimizer.step()
+    assert private.steps_done == 1

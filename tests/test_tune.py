@@ -826,7 +826,7 @@ def test_a_result_that_releases_the_secret_or_the_data_is_refused(leak):
         size = (trainer.seed.bit_length() + 7) // 8
         saved = io.BytesIO()
         torch.save(state, saved)
-        metric = torch.ones(50)
+        metric = (torch.arange(50) % 2).float()  # not constant: a constant would match weights
         result |= {
             "seed_bytes": trainer.seed.to_bytes(size, "big"),
             "seed_base64": base64.b64encode(trainer.seed.to_bytes(size, "little")).decode(),
@@ -849,3 +849,45 @@ def test_a_result_that_releases_the_secret_or_the_data_is_refused(leak):
         result = tune.search(trial, {}, config, 200, mean_trials=2, shape=1.0,
                              score_noise_multiplier=2.0, validation_size=50)  # fmt: skip
     assert set(result.result) == {"params"}
+
+
+def test_an_ordinary_result_is_not_taken_for_a_leak():
+    """A constant metric (a failed trial's zeros) beside a zero bias, a test split sliced from
+    the same tensor as the training set: released. A number equal to the metric's mean warns."""
+    generator = torch.Generator().manual_seed(0)
+    everything = torch.randn(300, 8, generator=generator)
+    x, x_test = everything[:200], everything[200:]  # one tensor, two splits
+    y = (x[:, 0] > 0).long()
+    model = nn.Linear(8, 2)
+    nn.init.zeros_(model.bias)
+
+    def trial(hyperparameters, config, seed):
+        params, buffers = dpfunc.functionalize(model)
+
+        def loss_fn(params, example):
+            xi, yi = example
+            logits = functional_call(model, (params, buffers), (xi.unsqueeze(0),))
+            return F.cross_entropy(logits, yi.unsqueeze(0))
+
+        trainer = dpfunc.Trainer(loss_fn, params, (x, y), config=config, seed=seed,
+                                 optimizer=dpfunc.optim.sgd(lr=0.5), progress=False)  # fmt: skip
+        trainer.fit()
+        metric = torch.zeros(2)  # a failed trial's score, of the bias's length
+        return Outcome(trainer, metric, {"model": model, "test": x_test, "acc": 0.0})
+
+    config = dpfunc.DPConfig(clip_norm=1.0, expected_batch_size=50, epochs=1,
+                             noise_multiplier=2.0, delta=1e-4)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = tune.search(trial, {}, config, 200, mean_trials=2, shape=1.0,
+                             score_noise_multiplier=2.0, validation_size=2)  # fmt: skip
+    assert set(result.result) == {"model", "test", "acc"}
+    assert not any("equal to the mean" in str(w.message) for w in caught)  # a constant metric
+
+    def scored(hyperparameters, config, seed):
+        outcome = trial(hyperparameters, config, seed)
+        return Outcome(outcome.run, torch.tensor([1.0, 0.0]), {"acc": 0.5})  # its mean, un-noised
+
+    with pytest.warns(UserWarning, match="equal to the mean or the sum"):
+        tune.search(scored, {}, config, 200, mean_trials=2, shape=1.0,
+                    score_noise_multiplier=2.0, validation_size=2)  # fmt: skip

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import types
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -90,10 +92,16 @@ def _check_result(result: Any, run: Any, index: int, metric: Any = None) -> None
     texts = [w for s in secrets for w in (str(s), format(s, "x"), format(s, "X"))]
     raw = [b for s in secrets for b in _seed_bytes(s)]
     texts += [b.decode("latin-1") for b in raw if b.isascii()]  # base64, written in a string
-    values = None if metric is None else torch.as_tensor(metric).detach().cpu().double()
+    try:  # (a malformed metric is refused by the score, with its own message)
+        values = None if metric is None else torch.as_tensor(metric).detach().cpu().double()
+    except (TypeError, ValueError, RuntimeError):
+        values = None
+    if values is not None and (values.dim() != 1 or _constant(values)):
+        values = None  # a constant metric (all 0, all 1) would match any constant parameter
+    means = set() if values is None else {float(values.mean()), float(values.sum())}
     seen: set[int] = set()
 
-    def leak(value: Any) -> str | None:
+    def leak(value: Any, where: str) -> str | None:
         if _is_run(value) or _is_run(getattr(value, "private", None)):
             return f"a run ({type(value).__name__})"
         if hasattr(value, "lineage") and hasattr(value, "stream_seed"):
@@ -109,16 +117,25 @@ def _check_result(result: Any, run: Any, index: int, metric: Any = None) -> None
             if any(w in text for w in texts) or any(b in value for b in raw):
                 return "the run's secret seed, in bytes"
             return None
+        if isinstance(value, float | np.floating) and float(value) in means:
+            warnings.warn(
+                f"trial {index}: Outcome.result{where} is a number equal to the mean or the "
+                "sum of the trial's private validation values: if it is that accuracy, the "
+                "search releases it un-noised, which its epsilon does not cover",
+                UserWarning,
+                stacklevel=5,
+            )
+            return None
         if isinstance(value, np.ndarray) and value.dtype != object:
-            value = (
-                torch.from_numpy(np.ascontiguousarray(value))
-                if value.dtype.kind in "biuf"
-                else None
+            if value.dtype.kind not in "biuf" or value.dtype.itemsize > 8:
+                return None  # (no tensor of it: strings, long doubles)
+            value = torch.from_numpy(
+                np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("="))
             )
         if isinstance(value, torch.Tensor):
             if any(_same_data(value, c) for c in columns):
                 return "a tensor of the training data"
-            if values is not None and _same_data(value, values):
+            if values is not None and not _constant(value) and _same_data(value, values):
                 return "the trial's private validation values, un-noised"
         return None
 
@@ -126,7 +143,10 @@ def _check_result(result: Any, run: Any, index: int, metric: Any = None) -> None
         if id(value) in seen or depth > _MAX_DEPTH or len(seen) > _MAX_VISITS:
             return
         seen.add(id(value))
-        why = leak(value)
+        try:
+            why = leak(value, where)
+        except Exception:  # an object that cannot be read as a value: opaque
+            why = None
         if why is not None:
             raise ValueError(
                 f"trial {index}: Outcome.result{where} is {why}, which the search would "
@@ -134,30 +154,41 @@ def _check_result(result: Any, run: Any, index: int, metric: Any = None) -> None
                 "trained model, its parameters, the hyperparameters and public values, "
                 "never the run, its state_dict, its seed, training data or the private metric"
             )
-        if isinstance(value, dict):
-            items = [(f"[{key!r}]", item) for key, item in value.items()]
-        elif isinstance(value, list | tuple | set | frozenset):
-            items = [(f"[{k}]", item) for k, item in enumerate(value)]
-        elif isinstance(value, np.ndarray) and value.dtype == object:
-            items = [(f"[{k}]", item) for k, item in enumerate(value.ravel())]
-        elif isinstance(value, (torch.Tensor, np.ndarray, str, bytes, bytearray, *_OPAQUE)):
-            items = []
-        else:
-            attributes = getattr(value, "__dict__", None)
-            items = (
-                [(f".{k}", v) for k, v in attributes.items()]
-                if isinstance(attributes, dict)
-                else []
-            )
-        for step, item in items:
+        try:
+            items = _children(value)
+        except Exception:  # an attribute that raises, say: opaque
+            items = iter(())
+        for step, item in itertools.islice(items, max(0, _MAX_VISITS - len(seen))):
             visit(item, where + step, depth + 1)
 
     visit(result, "", 0)
 
 
+def _children(value: Any) -> Any:
+    """The values inside ``value``, with how to name each (``[key]``, ``.name``), lazily."""
+    if isinstance(value, dict):
+        return ((f"[{key!r}]", item) for key, item in value.items())
+    if isinstance(value, list | tuple | set | frozenset):
+        return ((f"[{k}]", item) for k, item in enumerate(value))
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        return ((f"[{k}]", item) for k, item in enumerate(value.ravel()))
+    if isinstance(value, (torch.Tensor, np.ndarray, str, bytes, bytearray, *_OPAQUE)):
+        return iter(())
+    attributes = getattr(value, "__dict__", None)
+    return (
+        ((f".{k}", v) for k, v in attributes.items()) if isinstance(attributes, dict) else iter(())
+    )
+
+
+def _constant(t: torch.Tensor) -> bool:
+    """Whether every entry of ``t`` is the same (a row of zeros, a weight still at ones)."""
+    flat = t.detach().reshape(-1)
+    return flat.numel() == 0 or bool((flat == flat[0]).all())
+
+
 _OPAQUE = (type, types.ModuleType, types.FunctionType, types.MethodType, types.BuiltinFunctionType)
 _MAX_DEPTH = 12  # how deep in result the leaks are looked for
-_MAX_VISITS = 100_000  # and at most this many values (a model's attributes included)
+_MAX_VISITS = 20_000  # and at most this many values (a model's attributes included)
 
 
 def _seed_bytes(seed: int) -> list[bytes]:
@@ -194,13 +225,13 @@ def _same_data(value: torch.Tensor, column: torch.Tensor) -> bool:
     """
     if value.layout != torch.strided or column.layout != torch.strided or not value.numel():
         return False
-    if value.device == column.device and (
-        value.untyped_storage().data_ptr() == column.untyped_storage().data_ptr()
-    ):
-        return True
-    value, column = value.detach().cpu(), column.detach().cpu()
+    if value.device == column.device and _overlap(value, column):
+        return True  # a view of the column's memory (a test split beside it is not)
     if value.dim() == 2 and value.shape != column.shape and value.T.shape == column.shape:
         value = value.T  # a transposed copy
+    if value.dim() != column.dim() or value.shape[1:] != column.shape[1:]:
+        return False  # (before any copy: a model's parameters are looked at too)
+    value, column = value.detach().cpu(), column.detach().cpu()
     if value.shape == column.shape and (
         torch.equal(value.to(column.dtype), column) or torch.equal(column.to(value.dtype), value)
     ):
@@ -213,6 +244,20 @@ def _same_data(value: torch.Tensor, column: torch.Tensor) -> bool:
         if bool((item == item[0]).all()) or not bool((flat == item).all(1).any()):
             return False
     return True
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' elements share bytes of one storage."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def extent(t: torch.Tensor) -> tuple[int, int]:
+        start = t.storage_offset() * t.element_size()
+        last = sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) if t.numel() else -1
+        return start, start + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = extent(a), extent(b)
+    return a0 < b1 and b0 < a1
 
 
 NOT_COVERED = (
