@@ -287,13 +287,15 @@ class PrivateGradients(PlannedRun):
             self._guard.writing = False
             moved = self._watch.moved()  # (put back whether the step ran or raised)
         if moved:
+            self.close()  # accounted but not applied: the run's state cannot go on from here
             raise ValueError(
                 f"the model's forward changed {moved[:5]}{'...' if len(moved) > 5 else ''} in "
                 f"place during step {t}: what a forward writes into the model's own state "
                 "may come from the data (it does for running statistics and caches of the "
                 "input), with no noise, and the model would carry it out "
                 "(state_dict, later outputs). The step was accounted, no gradient was written, "
-                "and the buffers were put back as they were (a parameter cannot be: reload it). "
+                "the buffers were put back as they were (a parameter cannot be: reload it), and "
+                "this run is closed: fix the model and build a new PrivateGradients. "
                 "Keep the forward free of in-place updates (running statistics, caches of the "
                 "input, renormalised weights, parametrizations such as spectral_norm that update "
                 "their own state in the forward)"

@@ -898,6 +898,8 @@ def test_a_buffer_written_on_a_later_step_is_refused_and_put_back(method):
             private.backward(batch)
     assert cache.last is original and torch.equal(original, torch.zeros(5))
     assert torch.equal(model.state_dict()["0.last"], torch.zeros(5))  # nothing of the data
+    with pytest.raises(RuntimeError, match="closed"):  # its state stopped at the refused step
+        private.backward(next(private.batches(1)))
 
 
 def test_a_buffer_the_caller_changes_between_steps_is_kept():
