@@ -26,6 +26,7 @@ fixed seed resumes bit-identically (it is public anyway).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import uuid
 import warnings
@@ -43,6 +44,7 @@ from .datasets import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .report import PrivacyReport, privacy_report, steps_within_budget
 from .step import TrainState, TrainStep, check_nonfinite, make_train_step
+from .users import UserIndex, index_users
 
 
 class RunPlan:
@@ -87,11 +89,19 @@ class RunPlan:
         seed: int | None,
         distributed: bool | None,
         require_epochs: bool,
+        users: Any = None,
     ):
+        column = users if isinstance(users, str) else None
+        if column is not None:  # a column of the dataset (a Hugging Face dataset's, a dict's)
+            users = _user_column(who, dataset, column)
         dataset = as_dataset(dataset)  # numpy, lists, DataLoaders, ...: read once, here
         n = dataset_size(dataset)
         if n < 1:
             raise ValueError("dataset is empty: DP-SGD needs at least one example, got 0")
+        self.users = _user_index(who, config, users, n)
+        self.user_column = column
+        # the privacy unit's count: the accountant's, the sample rate's and the epochs'
+        units = n if self.users is None else self.users.num_users
         if config.epochs is None and (require_epochs or config.target_epsilon is not None):
             why = "plans" if require_epochs else "calibrates target_epsilon for"
             raise ValueError(
@@ -99,11 +109,12 @@ class RunPlan:
                 "got epochs=None"
             )
         self.distributed, self.rank, self.world_size = _distributed.resolve(distributed)
-        self.config = config = config.calibrated(n)
+        self.config = config = config.calibrated(units)
         self.num_examples = n
-        self.sample_rate = config.sample_rate(n)
-        self.steps_per_epoch = config.steps_per_epoch(n)
-        self.total_steps = config.total_steps(n) if config.epochs is not None else None
+        self.num_units = units
+        self.sample_rate = config.sample_rate(units)
+        self.steps_per_epoch = config.steps_per_epoch(units)
+        self.total_steps = config.total_steps(units) if config.epochs is not None else None
         self.physical_batch_size = self._physical_batch_size(physical_batch_size)
         if seed is not None:
             check_seed(seed)
@@ -123,6 +134,7 @@ class RunPlan:
             seed=seed,
             rank=self.rank,
             world_size=self.world_size,
+            users=self.users,
         )
         self._budget_steps: int | None = None
         self._check_budget(stacklevel=4)
@@ -178,16 +190,24 @@ class RunPlan:
             self.batches.rekey(fresh)
 
     def _physical_batch_size(self, size: int | None) -> int:
+        # user-level: a micro-batch holds whole users, k rows each (dpfunc.users)
+        k = 1 if self.users is None else self.config.max_examples_per_user
         if size is None:
             share = self.config.expected_batch_size / self.world_size  # each rank's share
-            size = math.ceil(share + 3 * math.sqrt(share))
+            size = k * math.ceil(share + 3 * math.sqrt(share))
         check_int("physical_batch_size", size, minimum=1)
-        if math.ceil(self.num_examples / size) + self.world_size > ACCUMULATED_SUMS:
+        if size % k:
+            raise ValueError(
+                f"physical_batch_size={size!r} must be a multiple of max_examples_per_user={k}: "
+                f"a micro-batch holds whole users, {k} rows each (e.g. physical_batch_size="
+                f"{k * max(1, size // k)})"
+            )
+        if math.ceil(self.num_units / (size // k)) + self.world_size > ACCUMULATED_SUMS:
             raise ValueError(  # the clip margin covers this many float64 additions
                 f"physical_batch_size={size!r} could split a logical batch of "
-                f"{self.num_examples} examples into more than {ACCUMULATED_SUMS} micro-batches, "
-                "beyond what the rounding bound of the clipped sum covers; raise "
-                "physical_batch_size"
+                f"{self.num_units} {self.config.privacy_unit}s into more than "
+                f"{ACCUMULATED_SUMS} micro-batches, beyond what the rounding bound of the "
+                "clipped sum covers; raise physical_batch_size"
             )
         return size
 
@@ -195,6 +215,8 @@ class RunPlan:
         _distributed.check_same_across_ranks(
             {
                 "num_examples": self.num_examples,
+                "users": self.users_fingerprint(),
+                "num_units": self.num_units,
                 "config": repr(self.config),
                 "seed": seed,
                 "physical_batch_size": self.physical_batch_size,
@@ -208,7 +230,7 @@ class RunPlan:
     def _check_budget(self, stacklevel: int) -> None:
         config = self.config
         if config.epsilon_budget is not None:
-            event = config.accounting_event(self.num_examples)
+            event = config.accounting_event(self.num_units)
             one_step = _epsilon(*event, 1, config.delta, config.accounting, bands=config.bands)
             if one_step > config.epsilon_budget:
                 raise ValueError(
@@ -237,15 +259,33 @@ class RunPlan:
             return self.total_steps
         if self._budget_steps is None and self.total_steps is not None:
             self._budget_steps = steps_within_budget(
-                config, self.num_examples, config.epsilon_budget, config.delta
+                config, self.num_units, config.epsilon_budget, config.delta
             )
         elif self._budget_steps is None:  # the budget alone bounds the run
-            event = config.accounting_event(self.num_examples)
+            event = config.accounting_event(self.num_units)
             self._budget_steps = max_steps_within(
                 config.epsilon_budget, config.delta, *event, _steps_bound(config, event),
                 config.accounting, bands=config.bands,
             )  # fmt: skip
         return self._budget_steps
+
+    def user_description(self) -> str | None:
+        """Where the run's user ids come from and what they hold, for the report (``None``: examples)."""
+        if self.users is None:
+            return None
+        source = f"column {self.user_column!r}" if self.user_column else "users="
+        return (
+            f"{self.users.num_users} users ({source}) over {self.num_examples} examples, "
+            f"at most {self.config.max_examples_per_user} examples of a user in a step"
+        )
+
+    def users_fingerprint(self) -> str | None:
+        """A SHA-256 of which rows each user holds (public, as the ids are); ``None``: examples."""
+        if self.users is None:
+            return None
+        digest = hashlib.sha256(self.users.offsets.numpy().tobytes())
+        digest.update(self.users.rows.numpy().tobytes())
+        return digest.hexdigest()
 
     def check_next_step(self, done: int) -> None:
         """Raises ``RuntimeError`` if step ``done + 1`` is beyond :meth:`last_step`."""
@@ -288,6 +328,8 @@ class PlannedRun:
 
     # the run's plan and settings, by their names in the paper and the config
     num_examples = property(lambda self: self.plan.num_examples)
+    num_units = property(lambda self: self.plan.num_units)  # users, or examples: the accountant's
+    privacy_unit = property(lambda self: self.config.privacy_unit)
     sample_rate = property(lambda self: self.plan.sample_rate)
     steps_per_epoch = property(lambda self: self.plan.steps_per_epoch)
     total_steps = property(lambda self: self.plan.total_steps)
@@ -340,8 +382,9 @@ class PlannedRun:
         accountant, sigma, q, the steps done and planned, the sampling, the
         noise generator, the seed, and what the guarantee does not cover.
         """
-        return privacy_report(self.config, self.accountant, self.num_examples,
-                              seed_is_secret=self.seed_is_secret, delta=delta)  # fmt: skip
+        return privacy_report(self.config, self.accountant, self.num_units,
+                              seed_is_secret=self.seed_is_secret, delta=delta,
+                              users=self.plan.user_description())  # fmt: skip
 
     def restore(
         self, state: TrainState, accountant: Any, history: list, seed: int, lineage: list[str]
@@ -364,6 +407,39 @@ class PlannedRun:
             warned = check_nonfinite(metrics, t, self.nonfinite, warn=not self._warned_nonfinite)
             self._warned_nonfinite |= warned
             # accounted before the release: an interruption can only over-count
-            self.accountant.step(*self.config.accounting_event(self.num_examples))
+            self.accountant.step(*self.config.accounting_event(self.num_units))
 
         return before_release
+
+
+def _user_column(who: str, dataset: Any, column: str) -> Any:
+    """The ids of ``users="column"``: that column of a Hugging Face dataset or a dict of columns."""
+    names = getattr(dataset, "column_names", None)
+    if names is None and isinstance(dataset, dict):
+        names = list(dataset)
+    if names is None or column not in names:
+        raise ValueError(
+            f"{who}: users={column!r} names a column, but the dataset "
+            + (f"has the columns {list(names)}" if names is not None else "has no named columns")
+            + "; give the column that holds each example's user id, or the ids themselves "
+            "(a sequence, one per example)"
+        )
+    return dataset[column]
+
+
+def _user_index(who: str, config: DPConfig, users: Any, num_examples: int) -> UserIndex | None:
+    """The run's users: required with ``privacy_unit="user"``, refused without it."""
+    if config.privacy_unit == "user":
+        if users is None:
+            raise ValueError(
+                f"{who}: privacy_unit='user' needs users=, the user id of each example (a "
+                "sequence beside the dataset, or the name of its id column), got users=None"
+            )
+        return index_users(users, num_examples)
+    if users is not None:
+        raise ValueError(  # nothing is silently dropped
+            f"{who}: users= groups the examples by user for user-level privacy, but the config "
+            "protects examples (privacy_unit='example'); give DPConfig(privacy_unit='user', "
+            "max_examples_per_user=k) or leave users out"
+        )
+    return None

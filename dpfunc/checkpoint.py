@@ -158,6 +158,9 @@ def settings(trainer: Any) -> dict[str, Any]:
         "accounting": config.accounting,
         "delta": config.delta,
         "physical_batch_size": trainer.physical_batch_size,
+        "privacy_unit": config.privacy_unit,
+        "max_examples_per_user": config.max_examples_per_user,
+        "users": trainer.plan.users_fingerprint(),
     }
 
 
@@ -631,6 +634,8 @@ def _saved_setting(saved: dict[str, Any], key: str, ours: Any) -> Any:
         return saved[key]
     if key == "bands":  # before correlated noise: DP-SGD
         return 1
+    if key == "privacy_unit":  # before user-level privacy: examples
+        return "example"
     if key == "expected_batch_size":  # implied by the sample rate, which is compared
         return ours
     return None

@@ -44,6 +44,7 @@ from .config import DPConfig, SpeedConfig
 from .ghost import GhostClipper, ghost_clip
 from .per_sample import LossFn, batch_size, explain_example_error, per_sample_grads_and_losses
 from .tree import Params, PyTree, tree_add, tree_leaves, tree_map
+from .users import UserGroups
 
 __all__ = ["Clipper", "ExampleStats", "make_clipper", "summarize"]
 
@@ -108,6 +109,8 @@ class Clipper:
         self.model = speed.model
         self.clip_norm = float(config.clip_norm)
         self.clipping = config.clipping
+        # user-level privacy: rows come in slots of k, one user each (dpfunc.users)
+        self.user_rows = config.max_examples_per_user if config.privacy_unit == "user" else None
         self.method = speed.method
         self.chunk_size = speed.chunk_size
         self.memory_budget = speed.memory_budget
@@ -143,6 +146,13 @@ class Clipper:
         (``None``: all); every row is differentiated, padding too, unless
         ``skip_padding``, which eagerly leaves padding rows out of the forward
         and backward (the sum is the same; their stats are 0).
+
+        User-level privacy (``DPConfig(privacy_unit="user")``): the rows are
+        slots of ``max_examples_per_user`` rows, one user each
+        (:mod:`dpfunc.users`); each user's update, the mean of its examples'
+        gradients, is clipped once, and the stats are per user (``[B / k]``).
+        ``skip_padding`` then leaves out the slots without a user; the
+        padding rows of a user's slot stay (the slot's shape joins its forms).
 
         Rounding: the clip factors carry the margin of this micro-batch's
         physical rows, the gradients' dtype and size (public: shapes and
@@ -240,18 +250,24 @@ class Clipper:
         how many examples are real. The time then follows the realised batch
         size, as in a loop that does not pad; a compiled step keeps the padded shape.
         """
+        units = mask  # examples, or users' slots of k rows
         kept = mask.nonzero().squeeze(1)
+        if self.user_rows is not None:
+            units = mask.reshape(-1, self.user_rows).any(1)
+            slots = units.nonzero().squeeze(1)
+            kept = (slots[:, None] * self.user_rows + torch.arange(self.user_rows)).reshape(-1)
 
         def real(t: Any) -> Any:
             return t.index_select(0, kept.to(t.device)) if isinstance(t, Tensor) else t
 
         summed, stats = self._rows(params, tree_map(real, batch), mask[kept], clip, len(mask))
+        kept = kept if self.user_rows is None else slots
 
         def full(t: Tensor, fill: float | bool) -> Tensor:
-            return t.new_full(mask.shape, fill).index_put_((kept,), t)
+            return t.new_full(units.shape, fill).index_put_((kept,), t)
 
         loss, norm, scaled = full(stats.loss, 0.0), full(stats.norm, 0.0), full(stats.scaled, False)
-        return summed, ExampleStats(loss, norm, scaled, mask)
+        return summed, ExampleStats(loss, norm, scaled, units)
 
     def _rows(
         self, params: Params, batch: PyTree, mask: Tensor, clip: float | Tensor, rows: int
@@ -265,6 +281,10 @@ class Clipper:
             )
             return zeros, ExampleStats(empty, empty.to(torch.float64), mask, mask)
         policy = ClippingPolicy(self.clipping)  # the same policy on both paths
+        users = None
+        if self.user_rows is not None:
+            dtype = accumulation_dtype(next(iter(params.values())).dtype)
+            users = UserGroups.of(mask, self.user_rows, dtype)
         if self.ghost is not None:
             plan = self.ghost.plan(params, batch, rows)  # rows: padded, public
             if plan.modules:
@@ -279,9 +299,11 @@ class Clipper:
                     clip_norm=clip,
                     chunk_size=self.chunk_size,
                     rows=rows,
+                    users=users,
                 )
-                return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
-        return self._vmap_rows(params, batch, mask, clip, rows, policy)
+                unit_mask = mask if users is None else users.mask
+                return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, unit_mask)
+        return self._vmap_rows(params, batch, mask, clip, rows, policy, users)
 
     def _vmap_rows(
         self,
@@ -291,12 +313,18 @@ class Clipper:
         clip: float | Tensor,
         rows: int,
         policy: ClippingPolicy,
+        users: UserGroups | None = None,
     ) -> tuple[Params, ExampleStats]:
-        """The vmap path's clipped sum of ``batch``, in chunks if :meth:`chunk_for` says so."""
+        """The vmap path's clipped sum of ``batch``, in chunks if :meth:`chunk_for` says so.
+
+        With ``users``, a chunk holds whole users (a multiple of their slot's rows).
+        """
         size = len(mask)
         chunk = self.chunk_for(params, rows)  # of the physical rows: public
         if chunk is None or chunk >= size:
-            return self._vmap_clip(params, batch, mask, clip, rows, policy)
+            return self._vmap_clip(params, batch, mask, clip, rows, policy, users)
+        if users is not None:
+            chunk = max(users.size, chunk - chunk % users.size)
         # chunk by chunk, so that one chunk's per-example gradients are held at a time. The
         # chunks' sums are added in the accumulation dtype: a blocked summation of the rows,
         # whose every contribution meets at most (chunk - 1) + (chunks - 1) <= rows - 1
@@ -304,9 +332,16 @@ class Clipper:
         summed, parts = None, []
         for start in range(0, size, chunk):
             rows_of = _row_slice(start, min(start + chunk, size))
+            part_users = None
+            if users is not None:
+                part_users = users._replace(
+                    weights=users.weights[start : start + chunk],
+                    mask=users.mask[start // users.size : (start + chunk) // users.size],
+                )
             part, stats = self._vmap_clip(
-                params, tree_map(rows_of, batch), mask[start : start + chunk], clip, rows, policy
-            )
+                params, tree_map(rows_of, batch), mask[start : start + chunk], clip, rows, policy,
+                part_users,
+            )  # fmt: skip
             summed = part if summed is None else tree_add(summed, part)
             parts.append(stats)
         return summed, ExampleStats.cat(parts)
@@ -319,9 +354,18 @@ class Clipper:
         clip: float | Tensor,
         rows: int,
         policy: ClippingPolicy,
+        users: UserGroups | None = None,
     ) -> tuple[Params, ExampleStats]:
-        """The clipped sum of ``batch``'s rows from materialised per-example gradients."""
+        """The clipped sum of ``batch``'s rows from materialised per-example gradients.
+
+        With ``users``, each user's gradient is the weighted sum of its slot's
+        rows (the mean of its examples'), formed once in the accumulation
+        dtype: the norm and the sum read that same tensor.
+        """
         grads, losses = per_sample_grads_and_losses(self.loss_fn, params, batch)
+        if users is not None:
+            grads = tree_map(lambda g: users.join(g.to(accumulation_dtype(g.dtype))), grads)
+            losses, mask = users.mean(losses), users.mask
         groups = policy.groups(grads)
         norms = per_sample_norms(grads, groups)
         clipped = policy(norms, clip, mask, **rounding_scope(params, rows))

@@ -55,6 +55,7 @@ from .datasets import as_dataset, dataset_size
 from .matrix_factorization import banded_noise, normalized_coefficients
 from .memory import check_memory_budget
 from .noise import NoiseMechanism, check_expected_batch_size, independent_noise
+from .users import UserBatches
 
 __all__ = [
     "CLIPPING_MODES",
@@ -68,6 +69,7 @@ __all__ = [
 METHODS = ("auto", "vmap", "ghost")
 
 ACCOUNTING = ("pld", "rdp")
+PRIVACY_UNITS = ("example", "user")
 
 
 class AccountingEvent(NamedTuple):
@@ -116,6 +118,16 @@ class DPConfig:
             (at ``delta``) past it. ``None``: no budget beyond the plan.
         secure_noise: draw the noise from a cryptographically secure
             generator (``standard_normal_like(..., secure=True)``).
+        privacy_unit: ``"example"`` (default) or ``"user"``: what one unit
+            of the guarantee is. ``"user"`` protects everything one user
+            contributed (user-level sampling, :mod:`dpfunc.users`): each step
+            samples users, takes at most ``max_examples_per_user`` of each
+            sampled user's examples, clips the mean of their gradients once,
+            and every count above (``expected_batch_size``, ``epochs``, the
+            accountant's) is of users. The user of each example is given
+            beside the dataset (``users=``).
+        max_examples_per_user: ``k``, the most examples of one user in one
+            step; only with ``privacy_unit="user"``, which needs it.
 
     Raises:
         ValueError, TypeError: a setting is invalid or the combination is
@@ -136,6 +148,8 @@ class DPConfig:
     accounting: str = "pld"
     epsilon_budget: float | None = None
     secure_noise: bool = False
+    privacy_unit: str = "example"
+    max_examples_per_user: int | None = None
 
     def __post_init__(self) -> None:
         clip = check_number(
@@ -173,6 +187,7 @@ class DPConfig:
             check_number("epsilon_budget", self.epsilon_budget, low=0, low_open=True)
         if not isinstance(self.secure_noise, bool):
             raise ValueError(f"secure_noise must be a bool, got secure_noise={self.secure_noise!r}")
+        self._check_unit()
         if self.target_quantile is not None:
             self._check_adaptive()
         elif self.count_noise_multiplier is not None or self.quantile_learning_rate != 0.2:
@@ -181,6 +196,33 @@ class DPConfig:
                 "is off (target_quantile=None); give target_quantile or leave them out, got "
                 f"count_noise_multiplier={self.count_noise_multiplier!r}, "
                 f"quantile_learning_rate={self.quantile_learning_rate!r}"
+            )
+
+    def _check_unit(self) -> None:
+        check_choice("privacy_unit", self.privacy_unit, PRIVACY_UNITS)
+        k = self.max_examples_per_user
+        if self.privacy_unit == "example":
+            if k is not None:
+                raise ValueError(  # nothing is silently dropped
+                    "max_examples_per_user bounds a user's examples in a step of user-level "
+                    "privacy; give privacy_unit='user' (and users= beside the dataset) or leave "
+                    f"it out, got max_examples_per_user={k!r} with privacy_unit='example'"
+                )
+            return
+        if k is None:
+            raise ValueError(
+                "privacy_unit='user' needs max_examples_per_user=k, the most examples of one "
+                "user in a step (e.g. 4), got max_examples_per_user=None"
+            )
+        check_int("max_examples_per_user", k, minimum=1)
+        unsupported = {"target_quantile": self.target_quantile, "bands": self.bands}
+        given = {name: v for name, v in unsupported.items() if v not in (None, 1)}
+        if given:
+            raise ValueError(
+                "privacy_unit='user' runs with a fixed clip norm and independent noise: "
+                "adaptive clipping's count and correlated noise's partitions are not yet "
+                "defined over users; use target_quantile=None and bands=1, got "
+                + ", ".join(f"{name}={v!r}" for name, v in given.items())
             )
 
     def _check_adaptive(self) -> None:
@@ -338,8 +380,25 @@ class DPConfig:
         seed: int | None,
         rank: int = 0,
         world_size: int = 1,
+        users: Any = None,
     ) -> PoissonBatches:
-        """The Poisson sampler of this config for ``dataset`` (cyclic with ``bands > 1``)."""
+        """The Poisson sampler of this config for ``dataset`` (cyclic with ``bands > 1``).
+
+        With ``privacy_unit="user"``, ``users`` is the dataset's
+        :class:`dpfunc.users.UserIndex` and the sampler samples users
+        (:class:`dpfunc.users.UserBatches`).
+        """
+        if self.privacy_unit == "user":
+            return UserBatches(
+                dataset,
+                users,
+                self.sample_rate(users.num_users),
+                physical_batch_size,
+                self.max_examples_per_user,
+                seed=seed,
+                rank=rank,
+                world_size=world_size,
+            )
         batches = PoissonBatches(
             dataset,
             self.sample_rate(dataset_size(as_dataset(dataset))),

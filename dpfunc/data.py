@@ -370,6 +370,23 @@ def micro_batches(
     total = num * physical_batch_size
     padded = torch.cat([indices, torch.zeros(total - count, dtype=torch.int64)])
     mask = torch.arange(total) < count
+    return gather_micro_batches(dataset, padded, mask, physical_batch_size, mask_dtype)
+
+
+def gather_micro_batches(
+    dataset: Any, padded: Tensor, mask: Tensor, physical_batch_size: int, mask_dtype: torch.dtype
+) -> list[MicroBatch]:
+    """Rows ``padded`` of ``as_dataset(dataset)`` as micro-batches of ``physical_batch_size`` rows.
+
+    ``padded``: int64 row indices, a multiple of ``physical_batch_size`` long;
+    ``mask``: bool, as long, ``False`` for padding rows (whose index names a
+    real row, e.g. 0). The layout is the caller's (:func:`micro_batches`,
+    :func:`dpfunc.users.user_micro_batches`); this only gathers.
+    """
+    count = int(mask.sum())
+    if not bool(mask[:count].all()):  # padding between real rows: read every row as given
+        count = padded.numel()
+    num = padded.numel() // physical_batch_size
     pieces = [slice(j * physical_batch_size, (j + 1) * physical_batch_size) for j in range(num)]
     if isinstance(dataset, Collated):  # each micro-batch collated alone: padded to its own length
         batches = [dataset.collate(padded[rows]) for rows in pieces]

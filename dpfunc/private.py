@@ -116,6 +116,9 @@ class PrivateGradients(PlannedRun):
             each rank's rows of the private gradient, equal to the single
             process's (:mod:`dpfunc.sharding`). Save the model and the
             optimizer with ``torch.distributed.checkpoint``.
+        users: user-level privacy, as for :class:`dpfunc.Trainer`: with
+            ``privacy_unit="user"``, each example's user id (a sequence, or
+            the dataset's id column by name).
 
     Raises:
         ValueError, TypeError: an argument is invalid; all are checked here.
@@ -132,6 +135,7 @@ class PrivateGradients(PlannedRun):
         seed: int | None = None,
         distributed: bool | None = None,
         nonfinite: str = "warn",
+        users: Any = None,
         **settings: Any,
     ):
         if not isinstance(model, nn.Module):
@@ -153,6 +157,7 @@ class PrivateGradients(PlannedRun):
             seed=seed,
             distributed=distributed,
             require_epochs=False,
+            users=users,
         )
         self.config = plan.config
         # the optimizer is the user's: an identity stands in

@@ -31,6 +31,16 @@ from .config import DPConfig
 __all__ = ["NOT_COVERED", "PrivacyReport", "privacy_report", "steps_within_budget"]
 
 NEIGHBOURING = "add or remove one example (dp_accounting's ADD_OR_REMOVE_ONE)"
+USER_NEIGHBOURING = (
+    "add or remove one user with all of their examples (dp_accounting's ADD_OR_REMOVE_ONE over "
+    "users; user-level sampling, each sampled user's mean gradient over at most k of their "
+    "examples clipped once)"
+)
+USER_NOT_COVERED = (
+    "the user ids and the counts derived from them: which examples share a user, the number of "
+    "users and of each user's examples are treated as public; an example whose user id is wrong "
+    "(two people under one id, one person under two ids) is protected only as its id's user is"
+)
 
 NOT_COVERED = (
     "non-private diagnostics: the step metrics (loss, batch_size, clipped_fraction, nonfinite, "
@@ -101,6 +111,11 @@ class PrivacyReport:
         noise_generator: which generator drew the noise; ``seed_is_secret``
             and ``seed``: whether its seed is a secret from the OS CSPRNG.
         not_covered: what the guarantee does not cover.
+        privacy_unit: ``"example"`` or ``"user"``: what the guarantee protects;
+            with ``"user"``, ``num_examples`` and ``expected_batch_size``
+            count users, ``users`` says where the ids come from, how many
+            users and examples there are and ``k``, and
+            ``max_examples_per_user`` is ``k``.
     """
 
     epsilon: float
@@ -129,6 +144,9 @@ class PrivacyReport:
     seed_is_secret: bool
     seed: str
     not_covered: tuple[str, ...]
+    privacy_unit: str = "example"
+    users: str | None = None
+    max_examples_per_user: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The report as a dict of plain Python values (``not_covered`` a list), for JSON."""
@@ -149,18 +167,21 @@ class PrivacyReport:
         clipping = f"{self.clipping}, C = {self.clip_norm:.6g}"
         if self.target_quantile is not None:
             clipping += f" at the start, adaptive to the {self.target_quantile:.3g} quantile"
+        unit = self.privacy_unit
         lines = [
             "Privacy report (DP-SGD)",
-            f"  guarantee:       ({self.epsilon:.6g}, {self.delta:.6g})-DP after {steps} steps"
+            f"  guarantee:       ({self.epsilon:.6g}, {self.delta:.6g})-DP per {unit} after "
+            f"{steps} steps"
             + (f", budget epsilon {self.epsilon_budget:.6g}" if self.epsilon_budget else ""),
             f"  neighbouring:    {self.neighbouring}",
+            *([f"  users:           {self.users}"] if self.users else []),
             f"  accountant:      {self.accountant}",
             f"  noise:           {noise}",
             f"  clipping:        {clipping}",
             f"  sampling:        {self.sampling}",
             f"  sample rate:     q = {self.sample_rate:.6g} (expected batch "
-            f"{self.expected_batch_size:.6g} of {self.num_examples} examples)",
-            f"  participations:  at most {self.participations} steps per example",
+            f"{self.expected_batch_size:.6g} of {self.num_examples} {unit}s)",
+            f"  participations:  at most {self.participations} steps per {unit}",
             f"  noise generator: {self.noise_generator}",
             f"  seed:            {self.seed}",
             "  not covered by the guarantee:",
@@ -228,19 +249,23 @@ def privacy_report(
     *,
     seed_is_secret: bool,
     delta: float | None = None,
+    users: str | None = None,
 ) -> PrivacyReport:
-    """The privacy report of a run of ``config`` on ``num_examples`` examples.
+    """The privacy report of a run of ``config`` on ``num_examples`` examples (or users).
 
     Args:
         config: the run's calibrated config (``config.calibrated(n)``: its
             ``noise_multiplier`` resolved), the one every step used.
         accountant: the accountant that recorded the run's steps.
-        num_examples: the dataset size ``n``.
+        num_examples: the dataset size ``n``; with ``privacy_unit="user"``,
+            the number of users.
         seed_is_secret: whether the seed that keyed the samples and the
             noise was drawn from the OS CSPRNG (``False``: a fixed seed,
             which the report says voids the guarantee against whoever
             knows it).
         delta: the delta of the reported epsilon; ``None``: ``config.delta``.
+        users: with ``privacy_unit="user"``, where the ids come from and how
+            many users and examples they group (the run's words); required there.
 
     Returns:
         a :class:`PrivacyReport`; its ``epsilon`` is
@@ -272,17 +297,28 @@ def privacy_report(
     )
     bands, steps = config.bands, accountant.steps
     sampling = (
-        "Poisson: each example joins each step's batch independently with probability q"
+        f"Poisson: each {config.privacy_unit} joins each step's batch independently with "
+        "probability q"
+        + (" (then at most k of a sampled user's examples, drawn afresh each step from the "
+           "secret stream)" if config.privacy_unit == "user" else "")
         if bands == 1
         else f"cyclic Poisson over b = {bands} partitions: step t samples partition t mod "
         f"{bands} at rate q, with banded correlated noise (accounted as ceil(steps / {bands}) "
         "DP-SGD steps, Choquette-Choo et al. 2023)"
     )
     not_covered = NOT_COVERED if config.secure_noise else (*NOT_COVERED, _FLOATING_POINT)
+    by_user = config.privacy_unit == "user"
+    if by_user and not users:
+        raise ValueError(
+            "a user-level report names its users: give users= (where the ids come from, how "
+            "many users and examples), got users=None"
+        )
+    if by_user:
+        not_covered = (*not_covered, USER_NOT_COVERED)
     return PrivacyReport(
         epsilon=epsilon,
         delta=float(delta),
-        neighbouring=NEIGHBOURING,
+        neighbouring=USER_NEIGHBOURING if by_user else NEIGHBOURING,
         accounting=config.accounting,
         accountant=described,
         value_discretization_interval=grid,
@@ -306,6 +342,9 @@ def privacy_report(
         seed_is_secret=seed_is_secret,
         seed=_seed(seed_is_secret),
         not_covered=not_covered,
+        privacy_unit=config.privacy_unit,
+        users=users if by_user else None,
+        max_examples_per_user=config.max_examples_per_user,
     )
 
 

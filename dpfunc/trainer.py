@@ -91,6 +91,11 @@ class Trainer(PlannedRun):
         nonfinite: ``"warn"`` (default) or ``"error"`` about examples with a
             NaN/inf gradient, left out of the sum either way
             (:func:`dpfunc.step.check_nonfinite`).
+        users: with ``DPConfig(privacy_unit="user", max_examples_per_user=k)``
+            (and only then), the user of each example: a sequence of ids
+            (ints or strings) in dataset order, or the name of the dataset's
+            id column. The run protects users (:mod:`dpfunc.users`):
+            ``expected_batch_size`` and ``epochs`` count users.
         **settings: ``DPConfig``'s and ``SpeedConfig``'s fields as keywords
             (``epochs=3, expected_batch_size=256, clip_norm=1.0,
             target_epsilon=3.0, model=model, ...``) instead of ``config`` and
@@ -118,6 +123,7 @@ class Trainer(PlannedRun):
         checkpoint_every: int | None = None,
         distributed: bool | None = None,
         nonfinite: str = "warn",
+        users: Any = None,
         **settings: Any,
     ):
         config, speed = settings_from("Trainer", config, speed, settings)
@@ -127,7 +133,7 @@ class Trainer(PlannedRun):
         check_choice("nonfinite", nonfinite, NONFINITE)
         self.plan = plan = RunPlan(
             "Trainer", config, dataset, physical_batch_size=speed.physical_batch_size, seed=seed,
-            distributed=distributed, require_epochs=True,
+            distributed=distributed, require_epochs=True, users=users,
         )  # fmt: skip
         self.config = config = plan.config
         self.batches = plan.batches  # the Poisson sampler the secret seed keys

@@ -386,3 +386,33 @@ def combine(forms: list[Outer | Tensor], shape: torch.Size) -> Outer | Sites | T
             if dims == {3}:
                 return Sites(tuple(forms))
     return sum(_formed(f, shape) for f in forms)
+
+
+def group(form: Outer | Sites | Tensor, weights: Tensor, size: int) -> Outer | Sites | Tensor:
+    """Each user's form from its examples': slots of ``size`` consecutive rows, weighted.
+
+    User-level privacy (:mod:`dpfunc.users`): a user's update is
+    ``sum_j w_j grad_j`` over the ``size`` rows of its slot. An :class:`Outer`
+    form is a sum over positions, so the user's is the examples' forms with
+    ``w_j`` on the right side, joined along the positions: ``[U * k, T, .]``
+    becomes ``[U, k * T, .]``, and :func:`form_norms` then takes the exact norm
+    of the sum, the cross terms between a user's examples included. A formed
+    gradient is summed over the slot. Rows of weight 0 (padding) become
+    exact zeros, NaN or not. Norm and sum both read the grouped form, so the
+    bound holds for the contribution that is summed.
+    """
+    if isinstance(form, Sites):
+        return Sites(tuple(group(f, weights, size) for f in form.forms))
+    if not isinstance(form, Outer):
+        return scaled(form, weights).reshape(-1, size, *form.shape[1:]).sum(1)
+    left, right = form
+    right = scaled(right, weights)
+    left = left if _is_index(left) else keep(left, weights)
+
+    def joined(t: Tensor) -> Tensor:  # [U * k, (G,) T, .] -> [U, (G,) k * T, .]
+        if right.dim() == 4:  # a groups axis after the examples'
+            t = t.reshape(-1, size, *t.shape[1:]).transpose(1, 2)
+            return t.reshape(t.shape[0], t.shape[1], -1, *t.shape[4:])
+        return t.reshape(-1, size * t.shape[1], *t.shape[2:])
+
+    return Outer(joined(left), joined(right))

@@ -34,7 +34,17 @@ from ..clipping import (
 from ..losses import check_losses
 from ..per_sample import batch_size, vmap_over_examples
 from ..tree import Params, PyTree, tree_map
-from .bounds import combine, form_norms, form_sum, formed_norms, weighted_sum, widen_form
+from ..users import UserGroups
+from .bounds import (
+    combine,
+    form_norms,
+    form_sum,
+    formed_norms,
+    group,
+    weighted_sum,
+    widen,
+    widen_form,
+)
 from .hooks import GhostHooks, attribute, install_hooks, module_input, parameters, remove_hooks
 from .planner import GhostModule, GhostPlan
 from .registry import Rule
@@ -254,6 +264,7 @@ def ghost_clip(
     clip_norm: float | Tensor,
     chunk_size: int | None = None,
     rows: int | None = None,
+    users: UserGroups | None = None,
 ) -> tuple[Params, Tensor, Clipped]:
     """The clipped sum of one micro-batch by ghost clipping and book-keeping.
 
@@ -272,6 +283,10 @@ def ghost_clip(
             margin count; ``None``: ``B``. A caller that leaves padding rows
             out passes the padded count: no bound may depend on the number
             of real examples.
+        users: user-level privacy (:mod:`dpfunc.users`): the rows are slots
+            of ``users.size`` rows, and each user's forms are joined
+            (:func:`dpfunc.ghost.bounds.group`) before the norms, so the
+            norms, factors, losses and ``clipped`` are per user ``[U]``.
 
     Returns:
         ``(summed, losses[B], clipped)``: ``summed`` equals
@@ -336,6 +351,10 @@ def ghost_clip(
                 forms[name].append(widen_form(got[attr]))  # half: float32 from here on
     joined = {name: combine(parts, params[name].shape) for name, parts in forms.items()}
     rows = mask.shape[0] if rows is None else rows
+    if users is not None:  # one form per user: its examples' joined, weighted by 1 / n
+        joined = {name: group(form, users.weights, users.size) for name, form in joined.items()}
+        other_grads = {name: users.join(widen(g)) for name, g in other_grads.items()}
+        losses, mask, rows = users.mean(losses), users.mask, rows // users.size
     squared = {name: form_norms(form, rows) for name, form in joined.items()}
     for name, g in other_grads.items():
         squared[name] = formed_norms(g)

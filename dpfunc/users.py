@@ -1,0 +1,337 @@
+"""User-level privacy: the unit of the guarantee is a user, with all of that user's examples.
+
+Example-level DP-SGD protects one example; a person who wrote 200 of them is
+protected as 200 examples, far less than the printed epsilon says. With
+``DPConfig(privacy_unit="user", max_examples_per_user=k)`` and the user of
+each example given beside the dataset (``users=``), a step is user-level
+sampling (ULS; Charles et al. 2024, "Fine-Tuning Large Language Models with
+User-Level Differential Privacy"; Chua et al. 2024, "Mind the Privacy Unit!"):
+
+1. each of the ``U`` users joins the step independently with probability
+   ``q = expected_batch_size / U`` (``expected_batch_size`` counts users);
+2. of each sampled user with ``n > k`` examples, ``k`` are drawn uniformly
+   without replacement, afresh each step, from the run's secret stream
+   (``(seed, step)``); a user with ``n <= k`` gives all of them;
+3. the user's update is the MEAN of the gradients of those examples, clipped
+   once to ``C``. The mean, not the sum: a user's clipped update is then on
+   the scale of one example's gradient whatever their count, so the clip
+   norm tuned at the example level carries over and a user with many
+   examples is not clipped harder than one with a few (the sum's norm grows
+   with the count, so ``C`` would have to grow with ``k``);
+4. noise ``N(0, (sigma C)^2)`` is added once per logical step to the sum of
+   the users' clipped updates, and the sum is divided by the expected
+   number of users.
+
+Each user's contribution to the sum has norm at most ``C`` whichever
+examples were drawn, so the step is the sampled Gaussian mechanism over
+users: the accountant counts users (``q`` above), and every report says
+"per user". The user ids and the number of users are public (the sample
+rate is computed from them).
+
+Layout. A micro-batch holds whole users: ``users_per_micro_batch`` slots of
+``k`` rows each, a user's examples in consecutive rows of its slot, the rest
+of the slot padding (dataset row 0, masked out). The steps see ordinary
+rows and a row mask; :class:`UserGroups` turns the row mask into each row's
+weight ``1 / n`` (``n`` the user's rows in the step) and each slot's mask,
+and the clipper sums each user's weighted per-example gradients (vmap), or
+joins their ghost forms along the positions axis (ghost clipping: a user's
+``k`` examples are then one sequence of ``k T`` positions), before the one
+norm that both the clip factor and the sum use. Padding slots cost compute:
+a step runs ``users_per_micro_batch * k`` rows for at most that many
+examples, fewer when users have fewer than ``k``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ._checks import check_int
+from .data import (
+    MicroBatch,
+    PoissonBatches,
+    _share_size,
+    gather_micro_batches,
+    num_micro_batches,
+    poisson_sample,
+    split_for_rank,
+)
+from .datasets import dataset_size
+from .noise import keyed_generator
+
+__all__ = ["UserBatches", "UserGroups", "UserIndex", "index_users", "sample_user_rows"]
+
+
+class UserIndex(NamedTuple):
+    """Which rows of the dataset each user holds (public: the user ids are public).
+
+    User ``u`` (numbered in order of first appearance) holds the dataset
+    rows ``rows[offsets[u]:offsets[u + 1]]``, in dataset order.
+    """
+
+    rows: Tensor  # [N] int64, the dataset's rows grouped by user
+    offsets: Tensor  # [U + 1] int64
+
+    @property
+    def num_users(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def counts(self) -> Tensor:
+        """``[U]`` int64: each user's number of examples."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __repr__(self) -> str:
+        return f"UserIndex(num_users={self.num_users}, num_examples={self.rows.numel()})"
+
+
+def index_users(users: Any, num_examples: int) -> UserIndex:
+    """The :class:`UserIndex` of ``users``, the user id of each of ``num_examples`` rows.
+
+    Args:
+        users: one id per dataset row, in row order: a 1-D integer tensor or
+            numpy array, or a sequence of ints or strings (any hashable that
+            is not ``None``, a float or a bool). Ids are public: they name
+            who holds which rows, and the count of users is printed.
+        num_examples: the dataset's rows.
+
+    Raises:
+        ValueError: ``users`` is not 1-D, its length is not ``num_examples``,
+            or an id is missing (``None``), a float (a NaN id would make a
+            user per row) or a bool.
+        TypeError: an id is not hashable.
+
+    >>> index = index_users(["ann", "bob", "ann"], 3)
+    >>> index.rows.tolist(), index.counts.tolist()
+    ([0, 2, 1], [2, 1])
+    """
+    check_int("num_examples", num_examples, minimum=1)
+    codes = _codes(users)
+    if codes.numel() != num_examples:
+        raise ValueError(
+            f"users must give one user id per example: the dataset has {num_examples} rows, "
+            f"got {codes.numel()} ids"
+        )
+    order = torch.sort(codes, stable=True).indices
+    counts = torch.bincount(codes)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    return UserIndex(order.to(torch.int64), offsets)
+
+
+def _codes(users: Any) -> Tensor:
+    """Each row's user as an int64 code, ``0..U-1`` in order of first appearance."""
+    if isinstance(users, Tensor | np.ndarray):
+        array = users.detach().cpu().numpy() if isinstance(users, Tensor) else users
+        if array.ndim != 1:
+            raise ValueError(f"users must be 1-D (one id per example), got shape {array.shape}")
+        if array.dtype.kind in "iu":
+            _, first, inverse = np.unique(array, return_index=True, return_inverse=True)
+            rank = np.empty_like(first)
+            rank[np.argsort(first, kind="stable")] = np.arange(first.size)
+            return torch.from_numpy(rank[inverse].astype(np.int64))
+        if array.dtype.kind in "fcb":
+            raise ValueError(
+                f"users must hold integer or string ids, got an array of dtype {array.dtype} "
+                "(a float id can be NaN, and NaN is never equal to itself)"
+            )
+        users = array.tolist()
+    if isinstance(users, str | bytes) or not isinstance(users, Sequence | Iterator):
+        raise ValueError(
+            f"users must be a 1-D sequence of user ids, one per example, got users={users!r:.80}"
+        )
+    seen: dict[Any, int] = {}
+    codes = []
+    for position, user in enumerate(users):
+        if user is None or isinstance(user, float | bool):
+            raise ValueError(
+                f"users[{position}] is {user!r}: every example needs its user's id, an int or a "
+                "string (an example without a user cannot be protected as part of one)"
+            )
+        try:
+            codes.append(seen.setdefault(user, len(seen)))
+        except TypeError as err:
+            raise TypeError(
+                f"users[{position}] must be hashable (an int or a string), got {user!r:.80}"
+            ) from err
+    return torch.tensor(codes, dtype=torch.int64)
+
+
+def sample_user_rows(
+    index: UserIndex, sampled: Tensor, max_examples_per_user: int, *, seed: int, step: int
+) -> tuple[Tensor, Tensor]:
+    """Each sampled user's rows of step ``step``, laid out as slots of ``k`` rows.
+
+    Of a user with ``n > k`` examples, ``k`` are drawn uniformly without
+    replacement from a generator keyed by ``(seed, step)`` (a stream of its
+    own, independent of the Poisson draw); a user with ``n <= k`` gives all
+    of them. The choice depends on nothing but the user's own rows and the
+    secret, so it does not change what one user can contribute.
+
+    Returns:
+        ``(rows, mask)``: int64 ``[len(sampled) * k]`` dataset rows (0 in
+        padding slots) and bool ``[len(sampled) * k]``, ``True`` for real
+        rows; user ``sampled[j]`` fills slot ``j``, rows ``j*k .. j*k+k-1``,
+        its real rows first.
+    """
+    k = max_examples_per_user
+    counts = index.counts[sampled]
+    total = int(counts.sum())
+    slot = torch.repeat_interleave(torch.arange(sampled.numel()), counts)
+    start = index.offsets[sampled]
+    within = torch.arange(total) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    rows = index.rows[torch.repeat_interleave(start, counts) + within]
+    if bool((counts > k).any()):  # a uniform k-subset: the k smallest of i.i.d. keys per user
+        generator = keyed_generator("dpfunc.user_rows", seed, step, torch.device("cpu"))
+        keys = torch.rand(total, generator=generator, dtype=torch.float64)
+        by_key = torch.argsort(keys)
+        order = by_key[torch.sort(slot[by_key], stable=True).indices]  # by slot, then key
+        rows = rows[order]
+    keep = within < k
+    out = torch.zeros(sampled.numel() * k, dtype=torch.int64)
+    mask = torch.zeros(sampled.numel() * k, dtype=torch.bool)
+    position = slot[keep] * k + within[keep]
+    out[position] = rows[keep]
+    mask[position] = True
+    return out, mask
+
+
+class UserGroups(NamedTuple):
+    """The users of a micro-batch of ``U`` slots of ``k`` rows, as the clipper needs them.
+
+    ``weights``: ``[U * k]``, each real row ``1 / n`` (``n`` its user's real
+    rows in the step), padding 0; ``mask``: ``[U]`` bool, a slot that holds a
+    user. The user's update is ``sum_j weights_j * grad_j`` over its slot.
+    """
+
+    size: int  # k, the rows of a slot
+    weights: Tensor  # [U * k], in the working dtype of the gradients
+    mask: Tensor  # [U] bool
+
+    @staticmethod
+    def of(row_mask: Tensor, size: int, dtype: torch.dtype) -> UserGroups:
+        """The groups of a row mask ``[U * k]`` (bool or 0/1) in slots of ``size`` rows.
+
+        Raises:
+            ValueError: the mask's length is not a multiple of ``size``.
+        """
+        if row_mask.dim() != 1 or row_mask.numel() % size:
+            raise ValueError(
+                f"a user-level micro-batch holds whole slots of max_examples_per_user={size} "
+                f"rows, got a mask of shape {tuple(row_mask.shape)}"
+            )
+        real = row_mask.to(torch.bool).reshape(-1, size)
+        counts = real.sum(1, keepdim=True)
+        weights = real.to(dtype) / counts.clamp(min=1).to(dtype)
+        return UserGroups(size, weights.reshape(-1), counts.squeeze(1) > 0)
+
+    def join(self, per_row: Tensor) -> Tensor:
+        """``[U * k, ...]`` per-row gradients to ``[U, ...]`` users' updates (weighted sums).
+
+        Padding rows add exact zeros, even where their gradient is NaN.
+        """
+        w = self.weights.reshape(-1, *([1] * (per_row.dim() - 1)))
+        weighted = torch.where(w != 0, per_row * w.to(per_row.dtype), per_row.new_zeros(()))
+        return weighted.reshape(-1, self.size, *per_row.shape[1:]).sum(1)
+
+    def mean(self, per_row: Tensor) -> Tensor:
+        """``[U * k]`` per-row values (losses) to each user's mean ``[U]``; padding ignored."""
+        real = self.weights > 0
+        value = torch.where(real, per_row * self.weights.to(per_row.dtype), 0.0)
+        return value.reshape(-1, self.size).sum(1)
+
+
+class UserBatches(PoissonBatches):
+    """User-level sampled logical batches as fixed-shape micro-batches of whole users.
+
+    Step ``t``: the users of :func:`dpfunc.data.poisson_sample` over ``U``
+    users at ``sample_rate`` (keyed by ``(seed, t)``), each with at most
+    ``k`` of their rows (:func:`sample_user_rows`). Each rank takes every
+    ``world_size``-th sampled user; all ranks run the same number of
+    micro-batches. Everything else is :class:`dpfunc.data.PoissonBatches`'
+    (the secret, ``rekey``, ``steps``).
+
+    Args:
+        dataset: any form :func:`dpfunc.datasets.as_dataset` accepts.
+        users: the :class:`UserIndex` of the dataset's rows.
+        sample_rate: each user's inclusion probability, in ``(0, 1]``.
+        physical_batch_size: rows per micro-batch, a multiple of ``k``.
+        max_examples_per_user: ``k``, an int >= 1.
+        seed, rank, world_size: as for :class:`dpfunc.data.PoissonBatches`.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        users: UserIndex,
+        sample_rate: float,
+        physical_batch_size: int,
+        max_examples_per_user: int,
+        *,
+        seed: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        k = check_int("max_examples_per_user", max_examples_per_user, minimum=1)
+        check_int("physical_batch_size", physical_batch_size, minimum=1)
+        if physical_batch_size % k:
+            raise ValueError(
+                f"physical_batch_size={physical_batch_size!r} must be a multiple of "
+                f"max_examples_per_user={k} (a micro-batch holds whole users, k rows each)"
+            )
+        super().__init__(
+            dataset, sample_rate, physical_batch_size, seed=seed, rank=rank, world_size=world_size
+        )
+        if users.rows.numel() != dataset_size(self.dataset):
+            raise ValueError(
+                f"users index {users.rows.numel()} rows, the dataset has "
+                f"{dataset_size(self.dataset)}"
+            )
+        self.users = users
+        self.max_examples_per_user = k
+        self.users_per_micro_batch = physical_batch_size // k
+
+    @property
+    def expected_batch_size(self) -> float:
+        """``sample_rate * num_users``: the expected users of a step, the average's denominator."""
+        return self.sample_rate * self.users.num_users
+
+    def indices(self, step: int) -> Tensor:
+        """Step ``step``'s sampled users (the same on every rank)."""
+        return poisson_sample(
+            self.users.num_users, self.sample_rate, seed=self.sampler_state.seed, step=step
+        )
+
+    def _agreed_count(self, logical_size: int) -> int:
+        return max(
+            num_micro_batches(_share_size(logical_size, r, self.world_size),
+                              self.users_per_micro_batch)
+            for r in range(self.world_size)
+        )  # fmt: skip
+
+    def logical_batch(self, step: int) -> tuple[list[MicroBatch], int]:
+        """This rank's micro-batches of step ``step`` and its number of users in them."""
+        sampled = self.indices(step)
+        share = split_for_rank(sampled, self.rank, self.world_size)
+        num = self._agreed_count(sampled.numel())
+        rows, mask = sample_user_rows(
+            self.users, share, self.max_examples_per_user, seed=self.sampler_state.seed, step=step
+        )
+        slots = num * self.physical_batch_size
+        rows = torch.cat([rows, torch.zeros(slots - rows.numel(), dtype=torch.int64)])
+        mask = torch.cat([mask, torch.zeros(slots - mask.numel(), dtype=torch.bool)])
+        batches = gather_micro_batches(
+            self.dataset, rows, mask, self.physical_batch_size, torch.float32
+        )
+        return batches, share.numel()
+
+    def __repr__(self) -> str:
+        return (  # the seed is a secret: never in a repr or a log
+            f"UserBatches(num_users={self.users.num_users}, num_examples={self.num_examples}, "
+            f"sample_rate={self.sample_rate}, physical_batch_size={self.physical_batch_size}, "
+            f"max_examples_per_user={self.max_examples_per_user}, seed=<secret>, "
+            f"rank={self.rank}, world_size={self.world_size})"
+        )
