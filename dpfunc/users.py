@@ -43,7 +43,6 @@ examples, fewer when users have fewer than ``k``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -139,7 +138,7 @@ def _codes(users: Any) -> Tensor:
                 "(a float id can be NaN, and NaN is never equal to itself)"
             )
         users = array.tolist()
-    if isinstance(users, str | bytes) or not isinstance(users, Sequence | Iterator):
+    if isinstance(users, str | bytes | dict) or not hasattr(users, "__iter__"):
         raise ValueError(
             f"users must be a 1-D sequence of user ids, one per example, got users={users!r:.80}"
         )
@@ -168,8 +167,11 @@ def sample_user_rows(
     Of a user with ``n > k`` examples, ``k`` are drawn uniformly without
     replacement from a generator keyed by ``(seed, step)`` (a stream of its
     own, independent of the Poisson draw); a user with ``n <= k`` gives all
-    of them. The choice depends on nothing but the user's own rows and the
-    secret, so it does not change what one user can contribute.
+    of them. The draw reads the secret and the sampled users' counts, never
+    what the examples hold, so it does not change what one user can
+    contribute. :class:`UserBatches` draws it for the whole logical batch
+    before splitting it over ranks, so a user gets the same rows on any
+    number of ranks.
 
     Returns:
         ``(rows, mask)``: int64 ``[len(sampled) * k]`` dataset rows (0 in
@@ -315,14 +317,17 @@ class UserBatches(PoissonBatches):
     def logical_batch(self, step: int) -> tuple[list[MicroBatch], int]:
         """This rank's micro-batches of step ``step`` and its number of users in them."""
         sampled = self.indices(step)
-        share = split_for_rank(sampled, self.rank, self.world_size)
-        num = self._agreed_count(sampled.numel())
-        rows, mask = sample_user_rows(
-            self.users, share, self.max_examples_per_user, seed=self.sampler_state.seed, step=step
-        )
-        slots = num * self.physical_batch_size
-        rows = torch.cat([rows, torch.zeros(slots - rows.numel(), dtype=torch.int64)])
-        mask = torch.cat([mask, torch.zeros(slots - mask.numel(), dtype=torch.bool)])
+        k = self.max_examples_per_user
+        # every user's rows drawn for the whole logical batch, then this rank's users taken:
+        # each user gets the same rows on any number of ranks
+        rows, mask = sample_user_rows(self.users, sampled, k, seed=self.sampler_state.seed,
+                                      step=step)  # fmt: skip
+        share = split_for_rank(torch.arange(sampled.numel()), self.rank, self.world_size)
+        ours = (share[:, None] * k + torch.arange(k)).reshape(-1)
+        rows, mask = rows[ours], mask[ours]
+        padded = self._agreed_count(sampled.numel()) * self.physical_batch_size
+        rows = torch.cat([rows, torch.zeros(padded - rows.numel(), dtype=torch.int64)])
+        mask = torch.cat([mask, torch.zeros(padded - mask.numel(), dtype=torch.bool)])
         batches = gather_micro_batches(
             self.dataset, rows, mask, self.physical_batch_size, torch.float32
         )

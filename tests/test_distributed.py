@@ -48,6 +48,9 @@ TRAINER = dict(
     seed=3,  # a public seed: reproducible test runs, no privacy
 )
 RESUME_AT = 3
+# user-level: 10 users of 2 examples and one of 28; 3 users a step, 2 a micro-batch
+USERS = dict(privacy_unit="user", max_examples_per_user=2, expected_batch_size=3,
+             physical_batch_size=4, users=[min(i // 2, 10) for i in range(N)])  # fmt: skip
 
 
 def problem(model_seed: int = 0):
@@ -118,6 +121,7 @@ def worker(scenario: str, outdir: str, timeout_s: float, *args: str) -> int:
                 "steps": steps_worker(rank, world_size, int(args[0])),
                 "trainer": trainer_first(outdir),
                 "private": private_run(model_seed=rank),  # rank 1 starts elsewhere
+                "users": private_run(model_seed=rank, **USERS),
             }
         elif scenario in ("die", "hang"):
             return failing_worker(scenario, rank, world_size, outdir)
@@ -343,6 +347,17 @@ def test_private_gradients_on_two_ranks_equal_one_process(main_run):
     ranks = [result["private"] for result in results]
     alone = private_run(distributed=False)  # the single-process reference
     assert ranks[0]["steps"] == ranks[1]["steps"] == alone["steps"] == 8
+    assert ranks[0]["epsilon"] == alone["epsilon"]
+    for name, value in alone["params"].items():
+        assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])  # bit-identical
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=1e-6)
+
+
+def test_user_level_private_gradients_on_two_ranks_equal_one_process(main_run):
+    _, _, results, _ = main_run
+    ranks = [result["users"] for result in results]
+    alone = private_run(distributed=False, **USERS)
+    assert ranks[0]["steps"] == ranks[1]["steps"] == alone["steps"] == 4  # 11 users / 3
     assert ranks[0]["epsilon"] == alone["epsilon"]
     for name, value in alone["params"].items():
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name])  # bit-identical

@@ -132,6 +132,50 @@ def test_the_update_equals_private_gradients_with_torch_adamw(tmp_path):
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
 
 
+def test_an_author_column_makes_the_run_user_level(tmp_path):
+    """``users="author"``: users sampled, the update PrivateGradients' on the same users."""
+    authors = [f"writer{i % 7 if i % 3 else 0}" for i in range(N)]  # one author of 19 texts
+    corpus = texts().add_column("author", authors)
+    config = privacy(privacy_unit="user", max_examples_per_user=2, expected_batch_size=3.0)
+    trainer = PrivateTrainer(
+        model=gpt2_lora(dropout=0.0), args=arguments(tmp_path, per_device_train_batch_size=4),
+        train_dataset=corpus, data_collator=pad, privacy=config, seed=1, users="author",
+    )  # fmt: skip
+    assert trainer.private.num_units == 7 and trainer.private.total_steps == 2  # 7 / 3 users
+    trainer.train()
+    trainer.save_model()
+    report = json.loads((tmp_path / PRIVACY_REPORT).read_text())
+    assert report["privacy_unit"] == "user" and report["num_examples"] == 7
+    assert "7 users (column 'author') over 48 examples, at most 2" in report["users"]
+    assert report["epsilon"] == trainer.private.epsilon()
+
+    model = gpt2_lora(dropout=0.0)
+    columns = pad([texts()[i] for i in range(N)])
+    rows = [{key: column[i] for key, column in columns.items()} for i in range(N)]
+
+    @dpfunc.batched_loss
+    def loss(params, batch):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = functional_call(model, params, (), inputs, strict=False).logits
+        return dpfunc.losses.causal_lm(logits, batch["labels"])
+
+    private = dpfunc.PrivateGradients(model, loss, rows, config=config, seed=1, users=authors,
+                                      physical_batch_size=4)  # fmt: skip
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0
+    )
+    for batch in private.batches():
+        private.backward(batch)
+        optimizer.step()
+        optimizer.zero_grad()
+    ours, theirs = trainable(trainer.model), trainable(model)
+    for name in ours:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="users='writer' names a column of train_dataset"):
+        PrivateTrainer(model=gpt2_lora(), args=arguments(tmp_path), train_dataset=corpus,
+                       data_collator=pad, privacy=config, users="writer")  # fmt: skip
+
+
 def test_the_noise_has_std_sigma_c_over_b(tmp_path):
     grads = []
 

@@ -51,6 +51,7 @@ from ..config import DPConfig, SpeedConfig
 from ..datasets import Collated
 from ..losses import IGNORE_INDEX, batched_loss
 from ..private import LogicalBatch, PrivateGradients
+from ..users import index_users
 
 __all__ = [
     "PRIVACY_REPORT",
@@ -115,6 +116,10 @@ class PrivateTrainer(transformers.Trainer):
             is not ``args.seed``, which seeds the model's initialisation.
         loss: ``loss(logits, labels) -> Tensor[B]``, one loss per example;
             by default :func:`per_example_loss` of the model's head.
+        users: with ``privacy.privacy_unit="user"`` (and only then), the
+            name of ``train_dataset``'s column that holds each example's
+            user id (``"author"``), or the ids themselves, one per example.
+            The column is read here and never reaches the model.
 
     Raises:
         ValueError: a setting that would change the accounting or the
@@ -129,6 +134,7 @@ class PrivateTrainer(transformers.Trainer):
         speed: SpeedConfig | None = None,
         seed: int | None = None,
         loss: Head | None = None,
+        users: Any = None,
         **kwargs: Any,
     ):
         if not isinstance(privacy, DPConfig):
@@ -163,15 +169,21 @@ class PrivateTrainer(transformers.Trainer):
             speed or SpeedConfig(), physical_batch_size=self.args.per_device_train_batch_size
         )
         head = loss or per_example_loss(self.model, self.args.label_smoothing_factor)
+        self._user_column = users if isinstance(users, str) else None
+        ids = self._user_ids(users)
         rows = self._train_rows()
+        units = len(rows) if ids is None else index_users(ids, len(rows)).num_users
         self.private = PrivateGradients(
             self.model,
             _model_loss(self.model, head),
             rows,
-            config=self._planned(privacy, len(rows)),
+            config=self._planned(privacy, units),
             speed=speed,
             seed=seed,
+            users=ids,
         )
+        if self._user_column is not None:  # the report names the column
+            self.private.plan.user_column = self._user_column
         self._batches: Any = None  # the private sampler's iterator, made at the first batch
         self._loaded_best: str | None = None  # the checkpoint load_best_model_at_end loaded
         self.nonprivate_total_flos = 0.0  # the operations counted: NOT private (store_flos)
@@ -185,6 +197,20 @@ class PrivateTrainer(transformers.Trainer):
                 "to silence this warning",
                 stacklevel=2,
             )
+
+    def _user_ids(self, users: Any) -> Any:
+        """The user ids of ``users=``: a column of ``train_dataset`` by name, or the ids given."""
+        if not isinstance(users, str):
+            return users
+        names = getattr(self.train_dataset, "column_names", None)
+        if names is None or users not in names:
+            raise ValueError(
+                f"users={users!r} names a column of train_dataset, which "
+                + (f"has the columns {names}" if names is not None else "has no named columns")
+                + ": give the column that holds each example's user id (e.g. 'author'), or the "
+                "ids themselves, one per example"
+            )
+        return list(self.train_dataset[users])
 
     def _train_rows(self) -> Collated:
         """The training set, read and collated one micro-batch at a time when a step uses it.
@@ -200,6 +226,8 @@ class PrivateTrainer(transformers.Trainer):
             raise ValueError("PrivateTrainer trains on train_dataset, got None")
         _check_train_dataset(dataset)
         collator = self.data_collator
+        if self._user_column in (getattr(dataset, "column_names", None) or ()):
+            dataset = dataset.remove_columns(self._user_column)  # read once; never the model's
         if _is_hf_dataset(dataset):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
@@ -265,7 +293,8 @@ class PrivateTrainer(transformers.Trainer):
         settings = ", ".join(f"{key}={value}" for key, value in named.items())
         warnings.warn(
             f"{settings} count logical steps: each step of this run is one Poisson-sampled "
-            f"batch of {expected:g} examples on average (privacy.expected_batch_size), run as "
+            f"batch of {expected:g} {private.config.privacy_unit}s on average "
+            "(privacy.expected_batch_size), run as "
             f"micro-batches of per_device_train_batch_size={args.per_device_train_batch_size}"
             f"{f' on {args.world_size} processes' if args.world_size > 1 else ''}. An epoch "
             f"is {private.steps_per_epoch} steps, where transformers.Trainer would take "
