@@ -403,3 +403,53 @@ def test_train_with_step_runs_the_trainers_logical_step_with_adaptive_clipping()
     assert trainer.clip_norm != 0.5  # the clip norm moved: the count was released
     for name in params:
         assert torch.equal(audited[name], trainer.params[name]), name
+
+
+# --------------------------------------------------------------------------- user-level privacy
+
+COPIES = 4  # the examples of each canary user
+
+
+def canary_users(canary, dataset):
+    """Each canary (or its null row) becomes a user of COPIES identical examples; each real
+    example is a user of its own. The number of users, and so the sample rate, is fixed."""
+    x, y, kind = dataset
+    real = canary.examples
+    repeat = torch.cat([torch.ones(real, dtype=torch.int64),
+                        torch.full((canary.canaries,), COPIES)])  # fmt: skip
+    users = torch.repeat_interleave(torch.arange(real + canary.canaries), repeat)
+    return tuple(t.repeat_interleave(repeat, 0) for t in (x, y, kind)), users
+
+
+def user_audit(canary, runs, *, by_user):
+    claims = []
+
+    def train(dataset):
+        rows, users = canary_users(canary, dataset)
+        unit = dict(privacy_unit="user", max_examples_per_user=COPIES, users=users,
+                    expected_batch_size=float(users.unique().numel()))  # fmt: skip
+        settings = unit if by_user else dict(expected_batch_size=float(len(rows[0])))
+        trainer = trainer_for(canary, rows, physical_batch_size=4 * 512, **settings)
+        trainer.fit()
+        claims.append(trainer.epsilon())
+        return trainer.params
+
+    scores = audit.canary_scores(train, canary, runs, keep_size=True)
+    bound = epsilon_lower_bound(scores.scores_in, scores.scores_out, delta=DELTA)
+    assert len(set(claims)) == 1
+    return bound, claims[0]
+
+
+def test_a_canary_user_audits_below_the_user_level_epsilon_and_above_the_example_level_one():
+    """A user of 4 copies of a gradient canary, present or absent as a whole, in one full-batch
+    step. User-level: the user's mean is clipped once (mu = 1/sigma = 0.5), within the printed
+    epsilon 1.99 per user. Example-level on the same data: each copy is clipped alone, the user
+    moves the sum by 4 C (mu = 2), and the audit proves more than the printed epsilon 1.99 per
+    example, which a careless reader would take for the user's."""
+    canary = audit.GradientCanary(500)
+    by_user, claim = user_audit(canary, 8, by_user=True)
+    assert claim == pytest.approx(CLAIM)
+    assert 0.2 < by_user <= claim  # about 0.6
+    by_example, claim = user_audit(canary, 8, by_user=False)
+    assert claim == pytest.approx(CLAIM)
+    assert by_example > claim  # about 3.4 against 1.99

@@ -394,3 +394,21 @@ def test_a_checkpoint_resumes_only_with_the_same_users(tmp_path):
     with pytest.warns(UserWarning, match="resum"):
         again = dpfunc.Trainer(loss_fn, params, data, users=users, **settings)
     assert again.steps_done == steps and again.epsilon() == epsilon
+
+
+def test_a_compiled_user_level_ghost_step_equals_eager():
+    torch._dynamo.reset()
+    model, params, loss_fn, (x, y), _ = mlp_problem()
+    step = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(lr=0.5), config=user_config(
+        clip_norm=0.2, max_examples_per_user=3), model=model, method="ghost")  # fmt: skip
+    mask = torch.tensor([1, 1, 1, 1, 0, 0, 1, 1, 0, 0, 0, 0], dtype=torch.float32)
+    noise = dpfunc.standard_normal_like(params, seed=5, step=0)  # public: a test
+    state = step.init(params)
+    eager, metrics = step(state, (x[:12], y[:12]), mask, noise)
+    compiled, compiled_metrics = torch.compile(step, fullgraph=True)(
+        state, (x[:12], y[:12]), mask, noise
+    )
+    assert float(metrics["batch_size"]) == float(compiled_metrics["batch_size"]) == 3  # users
+    for k in eager.params:
+        torch.testing.assert_close(compiled.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
