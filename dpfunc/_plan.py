@@ -99,6 +99,16 @@ class RunPlan:
         if n < 1:
             raise ValueError("dataset is empty: DP-SGD needs at least one example, got 0")
         self.users = _user_index(who, config, users, n)
+        if self.users is not None and config.max_examples_per_user > int(self.users.counts.max()):
+            most = int(self.users.counts.max())
+            warnings.warn(
+                f"max_examples_per_user={config.max_examples_per_user} is above the largest "
+                f"user's {most} examples: every user's slot is padded to "
+                f"{config.max_examples_per_user} rows for nothing; max_examples_per_user={most} "
+                "gives the same updates at less cost",
+                UserWarning,
+                stacklevel=3,
+            )
         self.user_column = column
         # the privacy unit's count: the accountant's, the sample rate's and the epochs'
         units = n if self.users is None else self.users.num_users

@@ -340,7 +340,8 @@ class DPConfig:
         n = check_int("num_examples", num_examples, minimum=1)
         check_number(
             "expected_batch_size", self.expected_batch_size, low=0, high=n, low_open=True,
-            note="(at most the dataset size)",
+            note="(at most the dataset size)" if self.privacy_unit == "example" else
+            f"(it counts users with privacy_unit='user': at most the {n} users)",
         )  # fmt: skip
         if self.expected_batch_size * self.bands > n:
             raise ValueError(

@@ -59,11 +59,13 @@ CASES = [
     dict(bands=16),
     dict(bands=4, physical_batch_size=3),  # several micro-batches per step
     dict(bands=1, target_quantile=0.5, clip_norm=0.5),  # adaptive clipping
+    # user-level: 40 users of 4 examples, at most 2 a step, slots of 2 rows
+    dict(privacy_unit="user", max_examples_per_user=2, users=[i % 40 for i in range(N)]),
 ]
 
 
 @pytest.mark.parametrize("given_seed", [False, True], ids=["secret", "given"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}"[:24] for k, v in c.items()))
 def test_continuation(tmp_path, case, given_seed, build):
     """A fixed seed resumes bit for bit; a secret one continues with fresh draws (the fork rule)."""
     seed = 987654321 if given_seed else None  # a fixed seed: reproducible, not private

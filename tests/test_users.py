@@ -412,3 +412,23 @@ def test_a_compiled_user_level_ghost_step_equals_eager():
     for k in eager.params:
         torch.testing.assert_close(compiled.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
     torch._dynamo.reset()
+
+
+def test_habits_from_example_level_training_are_refused_with_the_reason():
+    model, params, loss_fn, data, users = mlp_problem()
+    num_users = int(users.unique().numel())
+    base = dict(optimizer=dpfunc.optim.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0, epochs=1,
+                progress=False, privacy_unit="user", max_examples_per_user=4, users=users)  # fmt: skip
+    # an example count where users are counted: refused, and the message says so
+    with pytest.raises(ValueError, match=f"counts users .*at most the {num_users} users"):
+        dpfunc.Trainer(loss_fn, params, data, expected_batch_size=64, **base)
+    # a search prices examples, not users
+    config = dpfunc.DPConfig(clip_norm=1.0, target_epsilon=3.0, expected_batch_size=4,
+                             epochs=1, privacy_unit="user", max_examples_per_user=4)  # fmt: skip
+    with pytest.raises(ValueError, match="a search over user-level runs is not supported"):
+        dpfunc.tune.RandomSearch({"lr": [0.1]}, config, num_examples=num_users, mean_trials=2,
+                                 score="public")  # fmt: skip
+    # k above every user's count only pads: said, with the k that gives the same updates
+    with pytest.warns(UserWarning, match=r"max_examples_per_user=500 is above the largest"):
+        dpfunc.Trainer(loss_fn, params, data, expected_batch_size=4,
+                       **{**base, "max_examples_per_user": 500})  # fmt: skip

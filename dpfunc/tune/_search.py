@@ -155,6 +155,13 @@ class RandomSearch:
             raise TypeError(f"config must be a dpfunc.DPConfig, got config={config!r}")
         if config.epochs is None:
             raise ValueError("config.epochs fixes each trial's steps; give it, got epochs=None")
+        if config.privacy_unit != "example":
+            raise ValueError(
+                "a search over user-level runs is not supported: its private score would "
+                "have to bound each user's validation examples together, and its event to "
+                "count users; search with privacy_unit='example', or run the user-level "
+                f"training with fixed settings, got privacy_unit={config.privacy_unit!r}"
+            )
         if config.epsilon_budget is not None:
             raise ValueError(
                 "config.epsilon_budget would let a trial stop at a data-dependent step; the "
