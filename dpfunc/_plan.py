@@ -280,7 +280,7 @@ class RunPlan:
         return self._budget_steps
 
     def user_description(self) -> str | None:
-        """Where the run's user ids come from and what they hold, for the report (``None``: examples)."""
+        """Where the run's user ids come from and what they hold (``None``: examples)."""
         if self.users is None:
             return None
         source = f"column {self.user_column!r}" if self.user_column else "users="

@@ -283,8 +283,7 @@ class Clipper:
         policy = ClippingPolicy(self.clipping)  # the same policy on both paths
         users = None
         if self.user_rows is not None:
-            dtype = accumulation_dtype(next(iter(params.values())).dtype)
-            users = UserGroups.of(mask, self.user_rows, dtype)
+            users = UserGroups.of(mask, self.user_rows)
         if self.ghost is not None:
             plan = self.ghost.plan(params, batch, rows)  # rows: padded, public
             if plan.modules:
@@ -301,8 +300,8 @@ class Clipper:
                     rows=rows,
                     users=users,
                 )
-                unit_mask = mask if users is None else users.mask
-                return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, unit_mask)
+                units = mask if users is None else users.mask
+                return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, units)
         return self._vmap_rows(params, batch, mask, clip, rows, policy, users)
 
     def _vmap_rows(
@@ -334,9 +333,11 @@ class Clipper:
             rows_of = _row_slice(start, min(start + chunk, size))
             part_users = None
             if users is not None:
+                slots = slice(start // users.size, (start + chunk) // users.size)
                 part_users = users._replace(
-                    weights=users.weights[start : start + chunk],
-                    mask=users.mask[start // users.size : (start + chunk) // users.size],
+                    rows=users.rows[start : start + chunk],
+                    mask=users.mask[slots],
+                    scale=users.scale[slots],
                 )
             part, stats = self._vmap_clip(
                 params, tree_map(rows_of, batch), mask[start : start + chunk], clip, rows, policy,
@@ -358,18 +359,22 @@ class Clipper:
     ) -> tuple[Params, ExampleStats]:
         """The clipped sum of ``batch``'s rows from materialised per-example gradients.
 
-        With ``users``, each user's gradient is the weighted sum of its slot's
-        rows (the mean of its examples'), formed once in the accumulation
-        dtype: the norm and the sum read that same tensor.
+        With ``users``, each user's gradient is the sum of its slot's real
+        rows (formed once; the norm and the sum read that same tensor) times
+        ``1 / n`` in float64 (:class:`dpfunc.users.UserGroups`): the mean of
+        its examples' gradients.
         """
         grads, losses = per_sample_grads_and_losses(self.loss_fn, params, batch)
         if users is not None:
-            grads = tree_map(lambda g: users.join(g.to(accumulation_dtype(g.dtype))), grads)
+            grads = tree_map(users.join, grads)
             losses, mask = users.mean(losses), users.mask
         groups = policy.groups(grads)
         norms = per_sample_norms(grads, groups)
+        if users is not None:
+            norms = users.scaled(norms)
         clipped = policy(norms, clip, mask, **rounding_scope(params, rows))
-        summed = clipped_sum(grads, clipped.weights, groups=groups)
+        weights = clipped.weights if users is None else users.scaled(clipped.weights)
+        summed = clipped_sum(grads, weights, groups=groups)
         return summed, ExampleStats(losses.detach(), clipped.norm, clipped.scaled, mask)
 
     def _timed(self, params: Params, batch: PyTree, mask: Tensor) -> Params:

@@ -299,8 +299,12 @@ def privacy_report(
     sampling = (
         f"Poisson: each {config.privacy_unit} joins each step's batch independently with "
         "probability q"
-        + (" (then at most k of a sampled user's examples, drawn afresh each step from the "
-           "secret stream)" if config.privacy_unit == "user" else "")
+        + (
+            " (then at most k of a sampled user's examples, drawn afresh each step from the "
+            "secret stream)"
+            if config.privacy_unit == "user"
+            else ""
+        )
         if bands == 1
         else f"cyclic Poisson over b = {bands} partitions: step t samples partition t mod "
         f"{bands} at rate q, with banded correlated noise (accounted as ceil(steps / {bands}) "

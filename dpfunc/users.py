@@ -50,6 +50,7 @@ import torch
 from torch import Tensor
 
 from ._checks import check_int
+from .clipping import accumulation_dtype
 from .data import (
     MicroBatch,
     PoissonBatches,
@@ -60,9 +61,9 @@ from .data import (
     split_for_rank,
 )
 from .datasets import dataset_size
-from .noise import keyed_generator
+from .noise import check_seed, keyed_generator, secret_seed
 
-__all__ = ["UserBatches", "UserGroups", "UserIndex", "index_users", "sample_user_rows"]
+__all__ = ["UserBatches", "UserIndex", "bound_contributions", "index_users"]
 
 
 class UserIndex(NamedTuple):
@@ -174,10 +175,11 @@ def sample_user_rows(
     number of ranks.
 
     Returns:
-        ``(rows, mask)``: int64 ``[len(sampled) * k]`` dataset rows (0 in
-        padding slots) and bool ``[len(sampled) * k]``, ``True`` for real
-        rows; user ``sampled[j]`` fills slot ``j``, rows ``j*k .. j*k+k-1``,
-        its real rows first.
+        ``(rows, mask)``: int64 ``[len(sampled) * k]`` dataset rows and bool
+        ``[len(sampled) * k]``, ``True`` for real rows; user ``sampled[j]``
+        fills slot ``j``, rows ``j*k .. j*k+k-1``, its real rows first, then
+        copies of its first row as padding (data on which the user's loss
+        is finite exactly when it is on the user's own rows).
     """
     k = max_examples_per_user
     counts = index.counts[sampled]
@@ -193,28 +195,67 @@ def sample_user_rows(
         order = by_key[torch.sort(slot[by_key], stable=True).indices]  # by slot, then key
         rows = rows[order]
     keep = within < k
-    out = torch.zeros(sampled.numel() * k, dtype=torch.int64)
     mask = torch.zeros(sampled.numel() * k, dtype=torch.bool)
     position = slot[keep] * k + within[keep]
+    first = torch.zeros(sampled.numel(), dtype=torch.int64)
+    first[slot[within == 0]] = rows[within == 0]
+    out = first.repeat_interleave(k)  # a slot's padding rows: copies of the user's first row
     out[position] = rows[keep]
     mask[position] = True
     return out, mask
 
 
+def bound_contributions(
+    users: Any, max_examples_per_user: int, *, seed: int | None = None
+) -> Tensor:
+    """The rows to keep so that no user holds more than ``k``: for example-level sampling (ELS).
+
+    Example-level training protects a user with ``n`` examples as ``n``
+    examples; with at most ``k`` of each user's examples in the dataset,
+    :func:`dpfunc.accounting.example_sampling_user_epsilon` gives the
+    run's epsilon per user. The ``k`` rows of a larger user are drawn
+    uniformly, once, from a generator keyed by ``seed`` (``None``: a fresh
+    secret); the others are left out of training.
+
+    Args:
+        users: each row's user id, as for :func:`index_users`.
+        max_examples_per_user: ``k``, an int >= 1.
+        seed: the draw's key; ``None`` draws a secret.
+
+    Returns:
+        The sorted int64 indices of the rows kept.
+
+    >>> bound_contributions(["a", "a", "b", "a"], 2, seed=0).numel()
+    3
+    """
+    k = check_int("max_examples_per_user", max_examples_per_user, minimum=1)
+    codes = _codes(users)
+    index = index_users(codes, codes.numel())
+    if seed is None:
+        seed = secret_seed()
+    check_seed(seed)
+    rows, mask = sample_user_rows(index, torch.arange(index.num_users), k, seed=seed, step=0)
+    return torch.sort(rows[mask]).values
+
+
 class UserGroups(NamedTuple):
     """The users of a micro-batch of ``U`` slots of ``k`` rows, as the clipper needs them.
 
-    ``weights``: ``[U * k]``, each real row ``1 / n`` (``n`` its user's real
-    rows in the step), padding 0; ``mask``: ``[U]`` bool, a slot that holds a
-    user. The user's update is ``sum_j weights_j * grad_j`` over its slot.
+    A user's update is the mean of its real rows' gradients, ``scale *
+    sum``: the clipper sums each slot's real rows (:meth:`join`; padding
+    rows become exact zeros), takes the norm of the sum times ``scale``,
+    and weighs the sum by the clip factor times ``scale``. ``scale`` is
+    ``1 / n`` in float64 (``n`` the user's real rows), so the norm and the
+    weight carry no rounding of float32's.
     """
 
     size: int  # k, the rows of a slot
-    weights: Tensor  # [U * k], in the working dtype of the gradients
-    mask: Tensor  # [U] bool
+    rows: Tensor  # [U * k] bool, the real rows
+    mask: Tensor  # [U] bool, a slot that holds a user
+    scale: Tensor  # [U] float64, 1 / n (0 for an empty slot)
 
     @staticmethod
-    def of(row_mask: Tensor, size: int, dtype: torch.dtype) -> UserGroups:
+    def of(row_mask: Tensor, size: int) -> UserGroups:
         """The groups of a row mask ``[U * k]`` (bool or 0/1) in slots of ``size`` rows.
 
         Raises:
@@ -225,25 +266,35 @@ class UserGroups(NamedTuple):
                 f"a user-level micro-batch holds whole slots of max_examples_per_user={size} "
                 f"rows, got a mask of shape {tuple(row_mask.shape)}"
             )
-        real = row_mask.to(torch.bool).reshape(-1, size)
-        counts = real.sum(1, keepdim=True)
-        weights = real.to(dtype) / counts.clamp(min=1).to(dtype)
-        return UserGroups(size, weights.reshape(-1), counts.squeeze(1) > 0)
+        rows = row_mask.to(torch.bool)
+        counts = rows.reshape(-1, size).sum(1)
+        scale = 1.0 / counts.clamp(min=1).to(torch.float64)
+        return UserGroups(size, rows, counts > 0, torch.where(counts > 0, scale, 0.0))
 
     def join(self, per_row: Tensor) -> Tensor:
-        """``[U * k, ...]`` per-row gradients to ``[U, ...]`` users' updates (weighted sums).
+        """``[U * k, ...]`` per-row values to ``[U, ...]``: the sum of each slot's real rows.
 
-        Padding rows add exact zeros, even where their gradient is NaN.
+        ``k = 1`` returns ``per_row`` itself (its padding rows are masked
+        users). A padding row of a user's slot is a copy of that user's row
+        (:func:`sample_user_rows`), so a NaN there is that user's own.
         """
-        w = self.weights.reshape(-1, *([1] * (per_row.dim() - 1)))
-        weighted = torch.where(w != 0, per_row * w.to(per_row.dtype), per_row.new_zeros(()))
-        return weighted.reshape(-1, self.size, *per_row.shape[1:]).sum(1)
+        if self.size == 1:
+            return per_row
+        per_row = per_row.to(accumulation_dtype(per_row.dtype))  # half: summed in float32
+        slots = per_row.reshape(-1, self.size, per_row[0].numel())
+        ones = self.rows.to(per_row.dtype).reshape(-1, 1, self.size)
+        return torch.bmm(ones, slots).reshape(-1, *per_row.shape[1:])
+
+    def scaled(self, values: Tensor | dict[str, Tensor]) -> Tensor | dict[str, Tensor]:
+        """``[U]`` values (norms, clip weights; or a dict of them) times ``scale``, in float64."""
+        if isinstance(values, dict):
+            return {key: v * self.scale.to(v.device) for key, v in values.items()}
+        return values * self.scale.to(values.device)
 
     def mean(self, per_row: Tensor) -> Tensor:
         """``[U * k]`` per-row values (losses) to each user's mean ``[U]``; padding ignored."""
-        real = self.weights > 0
-        value = torch.where(real, per_row * self.weights.to(per_row.dtype), 0.0)
-        return value.reshape(-1, self.size).sum(1)
+        value = torch.where(self.rows, per_row, per_row.new_zeros(()))
+        return value.reshape(-1, self.size).sum(1) * self.scale.to(per_row.dtype)
 
 
 class UserBatches(PoissonBatches):

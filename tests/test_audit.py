@@ -453,3 +453,7 @@ def test_a_canary_user_audits_below_the_user_level_epsilon_and_above_the_example
     by_example, claim = user_audit(canary, 8, by_user=False)
     assert claim == pytest.approx(CLAIM)
     assert by_example > claim  # about 3.4 against 1.99
+    # ... and within what example-level sampling guarantees a user of 4 examples (10.0)
+    assert by_example <= accounting.example_sampling_user_epsilon(
+        SIGMA, 1.0, 1, DELTA, COPIES, value_discretization_interval=1e-3
+    )

@@ -64,8 +64,12 @@ CASES = [
 ]
 
 
+def case_id(case):
+    return ",".join(f"{k}={v}"[:20] for k, v in case.items())
+
+
 @pytest.mark.parametrize("given_seed", [False, True], ids=["secret", "given"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}"[:24] for k, v in c.items()))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_continuation(tmp_path, case, given_seed, build):
     """A fixed seed resumes bit for bit; a secret one continues with fresh draws (the fork rule)."""
     seed = 987654321 if given_seed else None  # a fixed seed: reproducible, not private

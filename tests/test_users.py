@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batched_loss import LAYERS, projected_rows
 from test_clip_bound import gradient, norm64
-from test_compiled_layers import CASES, B, projected
+from test_compiled_layers import CASES, projected
 from torch import nn
 from torch.func import functional_call
 
@@ -145,7 +145,9 @@ def clip_users(case, method, batched=False):
     params, buffers = dpfunc.functionalize(model)
 
     def one(p, example):
-        return projected(functional_call(model, (p, buffers), tuple(t.unsqueeze(0) for t in example)))
+        return projected(
+            functional_call(model, (p, buffers), tuple(t.unsqueeze(0) for t in example))
+        )
 
     @dpfunc.batched_loss
     def rows(p, batch):
@@ -171,7 +173,9 @@ def clip_users(case, method, batched=False):
 def test_each_users_clipped_mean_gradient_equals_the_float64_loop(case, method):
     summed, stats, expected, norms, clip_norm = clip_users(case, method)
     assert stats.mask.tolist() == [True, True, True]
-    torch.testing.assert_close(stats.norm, torch.tensor(norms, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        stats.norm, torch.tensor(norms, dtype=torch.float64), rtol=1e-9, atol=1e-12
+    )
     for name, value in expected.items():
         torch.testing.assert_close(summed[name], value, rtol=1e-7, atol=1e-10)
 
@@ -179,7 +183,9 @@ def test_each_users_clipped_mean_gradient_equals_the_float64_loop(case, method):
 @pytest.mark.parametrize("case", LAYERS, ids=[c.name for c in LAYERS])
 def test_the_batched_ghost_pass_gives_each_users_norm(case):
     summed, stats, expected, norms, _ = clip_users(case, "ghost", batched=True)
-    torch.testing.assert_close(stats.norm, torch.tensor(norms, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(
+        stats.norm, torch.tensor(norms, dtype=torch.float64), rtol=1e-9, atol=1e-12
+    )
     for name, value in expected.items():
         torch.testing.assert_close(summed[name], value, rtol=1e-7, atol=1e-10)
 
@@ -191,7 +197,7 @@ def contribution(step, params, user_rows, seed):
     where = int(torch.randint(3 * 2, (1,), generator=g))  # 3 micro-batches of 2 slots
     micro = []
     for m in range(3):
-        batch = (torch.randn(2 * k, user_rows.shape[1], generator=g, dtype=torch.float64) * 3)
+        batch = torch.randn(2 * k, user_rows.shape[1], generator=g, dtype=torch.float64) * 3
         batch, mask = batch.to(user_rows.dtype), torch.zeros(2 * k)
         if where // 2 == m:
             slot = (where % 2) * k
@@ -342,7 +348,7 @@ def test_private_gradients_write_the_users_clipped_mean_and_noise():
         expected = {n: expected[n] + got[n] for n in expected}
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.double(), expected[name] / 5, rtol=1e-4, atol=1e-6)
-    assert count == int(sum(UserGroups.of(m, 3, torch.float32).mask.sum() for _, m in micro))
+    assert count == int(sum(UserGroups.of(m, 3).mask.sum() for _, m in micro))
     assert math.isinf(private.epsilon())  # noise_multiplier=0: no privacy, and it says so
     assert "per user" in str(private.privacy_report())
 
@@ -366,7 +372,8 @@ def test_user_level_settings_come_together_or_not_at_all():
                         privacy_unit="person")  # fmt: skip
     with pytest.raises(ValueError, match="target_quantile=0.5, bands=2"):
         dpfunc.DPConfig(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=6, bands=2,
-                        privacy_unit="user", max_examples_per_user=3, target_quantile=0.5)  # fmt: skip
+                        privacy_unit="user", max_examples_per_user=3,
+                        target_quantile=0.5)  # fmt: skip
     with pytest.raises(ValueError, match="physical_batch_size=10 must be a multiple of "
                                          "max_examples_per_user=4"):  # fmt: skip
         dpfunc.Trainer(loss_fn, params, data, privacy_unit="user", max_examples_per_user=4,
@@ -375,8 +382,15 @@ def test_user_level_settings_come_together_or_not_at_all():
         dpfunc.Trainer(loss_fn, params, data, privacy_unit="user", max_examples_per_user=4,
                        users=users[:-1], **base)  # fmt: skip
     with pytest.raises(ValueError, match="expected_batch_size must be"):
-        dpfunc.Trainer(loss_fn, params, data, privacy_unit="user", max_examples_per_user=4,
-                       users=torch.zeros(240, dtype=torch.int64), **base)  # one user: 6 > 1
+        dpfunc.Trainer(
+            loss_fn,
+            params,
+            data,
+            privacy_unit="user",
+            max_examples_per_user=4,
+            users=torch.zeros(240, dtype=torch.int64),
+            **base,
+        )  # one user: 6 > 1
 
 
 def test_a_checkpoint_resumes_only_with_the_same_users(tmp_path):
@@ -418,7 +432,8 @@ def test_habits_from_example_level_training_are_refused_with_the_reason():
     model, params, loss_fn, data, users = mlp_problem()
     num_users = int(users.unique().numel())
     base = dict(optimizer=dpfunc.optim.sgd(0.1), clip_norm=1.0, noise_multiplier=1.0, epochs=1,
-                progress=False, privacy_unit="user", max_examples_per_user=4, users=users)  # fmt: skip
+                progress=False, privacy_unit="user", max_examples_per_user=4,
+                users=users)  # fmt: skip
     # an example count where users are counted: refused, and the message says so
     with pytest.raises(ValueError, match=f"counts users .*at most the {num_users} users"):
         dpfunc.Trainer(loss_fn, params, data, expected_batch_size=64, **base)
@@ -432,3 +447,27 @@ def test_habits_from_example_level_training_are_refused_with_the_reason():
     with pytest.warns(UserWarning, match=r"max_examples_per_user=500 is above the largest"):
         dpfunc.Trainer(loss_fn, params, data, expected_batch_size=4,
                        **{**base, "max_examples_per_user": 500})  # fmt: skip
+
+
+def test_the_user_epsilon_of_example_sampling_is_dp_sgds_for_one_example_and_grows_with_k():
+    from dpfunc.accounting import epsilon, example_sampling_user_epsilon
+
+    coarse = dict(value_discretization_interval=1e-3)
+    one = example_sampling_user_epsilon(1.1, 0.02, 50, 1e-5, 1, **coarse)
+    exact = epsilon(1.1, 0.02, 50, 1e-5)  # the same event on the finer grid
+    assert exact <= one <= exact * 1.01
+    growing = [example_sampling_user_epsilon(1.1, 0.02, 50, 1e-5, k, **coarse) for k in (2, 4)]
+    assert one < growing[0] < growing[1]
+    assert example_sampling_user_epsilon(0.0, 0.02, 5, 1e-5, 3) == math.inf
+    assert example_sampling_user_epsilon(1.0, 0.02, 0, 1e-5, 3) == 0.0
+    with pytest.raises(ValueError, match="max_examples_per_user must be an int >= 1"):
+        example_sampling_user_epsilon(1.0, 0.02, 5, 1e-5, 0)
+
+
+def test_bounded_contributions_keep_at_most_k_rows_of_each_user():
+    users = ["a"] * 5 + ["b"] + ["c"] * 3
+    kept = dpfunc.users.bound_contributions(users, 2, seed=3)
+    owners = collections.Counter(users[i] for i in kept.tolist())
+    assert owners == {"a": 2, "b": 1, "c": 2}
+    assert torch.equal(kept, dpfunc.users.bound_contributions(users, 2, seed=3))
+    assert torch.equal(dpfunc.users.bound_contributions(users, 5), torch.arange(9))

@@ -388,26 +388,28 @@ def combine(forms: list[Outer | Tensor], shape: torch.Size) -> Outer | Sites | T
     return sum(_formed(f, shape) for f in forms)
 
 
-def group(form: Outer | Sites | Tensor, weights: Tensor, size: int) -> Outer | Sites | Tensor:
-    """Each user's form from its examples': slots of ``size`` consecutive rows, weighted.
+def group(form: Outer | Sites | Tensor, rows: Tensor, size: int) -> Outer | Sites | Tensor:
+    """Each user's form from its examples': slots of ``size`` consecutive rows, summed.
 
-    User-level privacy (:mod:`dpfunc.users`): a user's update is
-    ``sum_j w_j grad_j`` over the ``size`` rows of its slot. An :class:`Outer`
-    form is a sum over positions, so the user's is the examples' forms with
-    ``w_j`` on the right side, joined along the positions: ``[U * k, T, .]``
-    becomes ``[U, k * T, .]``, and :func:`form_norms` then takes the exact norm
-    of the sum, the cross terms between a user's examples included. A formed
-    gradient is summed over the slot. Rows of weight 0 (padding) become
-    exact zeros, NaN or not. Norm and sum both read the grouped form, so the
-    bound holds for the contribution that is summed.
+    User-level privacy (:mod:`dpfunc.users`): a user's update is the sum of
+    its slot's real rows (``rows``, bool ``[U * k]``) times ``1 / n``, which
+    the caller applies to the norm and the weight. An :class:`Outer` form is
+    a sum over positions, so the user's sum is the examples' forms joined
+    along the positions, padding rows set to exact zeros on the right side:
+    ``[U * k, T, .]`` becomes ``[U, k * T, .]`` (a view), and
+    :func:`form_norms` takes the exact norm of the sum, the cross terms
+    between a user's examples included. A formed gradient is summed over the
+    slot. ``size = 1`` returns the form itself. Norm and sum both read the
+    grouped form, so the bound holds for the contribution that is summed.
     """
+    if size == 1:
+        return form
     if isinstance(form, Sites):
-        return Sites(tuple(group(f, weights, size) for f in form.forms))
+        return Sites(tuple(group(f, rows, size) for f in form.forms))
     if not isinstance(form, Outer):
-        return scaled(form, weights).reshape(-1, size, *form.shape[1:]).sum(1)
+        return keep(form, rows).reshape(-1, size, *form.shape[1:]).sum(1)
     left, right = form
-    right = scaled(right, weights)
-    left = left if _is_index(left) else keep(left, weights)
+    right = keep(right, rows)
 
     def joined(t: Tensor) -> Tensor:  # [U * k, (G,) T, .] -> [U, (G,) k * T, .]
         if right.dim() == 4:  # a groups axis after the examples'

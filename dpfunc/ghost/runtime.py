@@ -42,7 +42,6 @@ from .bounds import (
     formed_norms,
     group,
     weighted_sum,
-    widen,
     widen_form,
 )
 from .hooks import GhostHooks, attribute, install_hooks, module_input, parameters, remove_hooks
@@ -215,6 +214,29 @@ def batched_pass(loss_fn, hooks: GhostHooks, plan: GhostPlan, params: Params, ba
     return (example_axis(out_grads), {}), losses.detach(), example_axis(inputs)
 
 
+def _forms(
+    hooks: GhostHooks, plan: GhostPlan, params: Params, covered: Params, inputs: dict,
+    out_grads: dict,
+) -> dict[str, Any]:  # fmt: skip
+    """Each covered parameter's per-example form: its rules' forms at every call, joined."""
+    forms: dict[str, list] = {name: [] for name in covered}
+    for m in plan.modules:
+        module = hooks.modules[m.path]
+        used = dict(m.bound)
+        weights = {attr: params[used[attr]] if attr in used else attribute(module, attr)
+                   for attr in parameters(module, hooks.rules[m.path])}  # fmt: skip
+        for x, g in zip(inputs[m.path], out_grads[m.path]):
+            got = hooks.rules[m.path].gradients(module, x, g, weights)
+            for attr, name in m.attrs:
+                if attr not in got:
+                    raise RuntimeError(
+                        f"dpfunc ghost clipping: the rule for {type(module).__name__} returned "
+                        f"no gradient for {attr!r} (it returned {sorted(got)})"
+                    )
+                forms[name].append(widen_form(got[attr]))  # half: float32 from here on
+    return {name: combine(parts, params[name].shape) for name, parts in forms.items()}
+
+
 def _probe_gradient(probe: Tensor, grad: Tensor | None) -> Tensor:
     """A probe's output gradient (zeros where the loss does not depend on the call)."""
     return (
@@ -285,8 +307,9 @@ def ghost_clip(
             of real examples.
         users: user-level privacy (:mod:`dpfunc.users`): the rows are slots
             of ``users.size`` rows, and each user's forms are joined
-            (:func:`dpfunc.ghost.bounds.group`) before the norms, so the
-            norms, factors, losses and ``clipped`` are per user ``[U]``.
+            (:func:`dpfunc.ghost.bounds.group`) before the norms; the norms
+            and the weights of the sum are the joined forms' times ``1 / n``,
+            so the norms, factors, losses and ``clipped`` are per user ``[U]``.
 
     Returns:
         ``(summed, losses[B], clipped)``: ``summed`` equals
@@ -334,26 +357,11 @@ def ghost_clip(
         )
         (out_grads, other_grads), (_, (losses, inputs)) = per_example(probes, other, covered, batch)
 
-    forms: dict[str, list] = {name: [] for name in covered}
-    for m in plan.modules:
-        module = hooks.modules[m.path]
-        used = dict(m.bound)
-        weights = {attr: params[used[attr]] if attr in used else attribute(module, attr)
-                   for attr in parameters(module, hooks.rules[m.path])}  # fmt: skip
-        for x, g in zip(inputs[m.path], out_grads[m.path]):
-            got = hooks.rules[m.path].gradients(module, x, g, weights)
-            for attr, name in m.attrs:
-                if attr not in got:
-                    raise RuntimeError(
-                        f"dpfunc ghost clipping: the rule for {type(module).__name__} returned "
-                        f"no gradient for {attr!r} (it returned {sorted(got)})"
-                    )
-                forms[name].append(widen_form(got[attr]))  # half: float32 from here on
-    joined = {name: combine(parts, params[name].shape) for name, parts in forms.items()}
+    joined = _forms(hooks, plan, params, covered, inputs, out_grads)
     rows = mask.shape[0] if rows is None else rows
     if users is not None:  # one form per user: its examples' joined, weighted by 1 / n
-        joined = {name: group(form, users.weights, users.size) for name, form in joined.items()}
-        other_grads = {name: users.join(widen(g)) for name, g in other_grads.items()}
+        joined = {name: group(form, users.rows, users.size) for name, form in joined.items()}
+        other_grads = {name: users.join(g) for name, g in other_grads.items()}
         losses, mask, rows = users.mean(losses), users.mask, rows // users.size
     squared = {name: form_norms(form, rows) for name, form in joined.items()}
     for name, g in other_grads.items():
@@ -364,8 +372,12 @@ def ghost_clip(
     # above cover this sum's rounding
     groups = policy.groups(params)
     norms = norms_from_squares({n: squared[n] for n in names}, groups)
+    if users is not None:  # a user's update is its sum times 1 / n
+        norms = users.scaled(norms)
     clipped = policy(norms, clip_norm, mask.to(torch.bool), **rounding_scope(params, rows))
     weights = weights_by_parameter(clipped.weights, names, groups)
+    if users is not None:
+        weights = users.scaled(weights)
 
     # eagerly on a CPU, one check spares the NaN-safe masking of every form (form_sum); a
     # compiled step fuses that masking into the products, and on a GPU it costs less than
