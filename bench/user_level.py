@@ -8,10 +8,10 @@ Run from the repository root (about 15 minutes on 2 CPU cores):
 
 Run ``--timing`` first, alone on the machine: the table's run reads its file.
 
-The corpus: 24,000 examples of ``USERS`` = 2,000 users, grouped synthetically from
+The corpus: 40,000 examples of ``USERS`` = 5,000 users, grouped synthetically from
 scikit-learn's digits. User ``u`` (1-based) holds one example plus a share of the other
-22,000 proportional to ``u ** -ZIPF``: the heaviest holds 3,725 examples, the median user 3
-(775 users hold 4 or more, 155 hold 16 or more). Each user draws a preference over the ten
+35,000 proportional to ``u ** -ZIPF``: the heaviest holds 2,500 examples, the median user 3
+(2,180 users hold 4 or more, 306 hold 16 or more). Each user draws a preference over the ten
 digits (Dirichlet(``CONCENTRATION``)) and
 a stroke weight (pixel scale in [0.7, 1.3]); each of their examples is a training-split
 image of a digit drawn from that preference, shifted by at most one pixel and given pixel
@@ -21,16 +21,17 @@ softmax regression, normalized clipping (C = 1), SGD with momentum 0.9 at lr
 ``LR``, ``STEPS`` steps; every run's noise is calibrated to its row's epsilon at
 delta 1e-5 by bisection.
 
-* ULS (``privacy_unit="user"``): ``EXPECTED_USERS`` users a step (q = 0.1, 10 passes over
+* ULS (``privacy_unit="user"``): ``EXPECTED_USERS`` users a step (q = 0.05, 15 passes over
   the users), at most k examples each, each user's mean gradient clipped once. Its epsilon
   is per user (dpfunc's accountant over users).
 * ELS: each user's examples cut to at most k once (``dpfunc.users.bound_contributions``),
   then example-level DP-SGD, ``EXPECTED_EXAMPLES`` examples a step; its epsilon per user is
   ``dpfunc.accounting.example_sampling_user_epsilon`` (the mixture-of-Gaussians accountant
   of example-level sampling; Charles et al. 2024), calibrated to the row's epsilon.
-* example-level: all 24,000 examples, the same batch and steps, calibrated to the row's
+* example-level: all 40,000 examples, the same batch and steps, calibrated to the row's
   epsilon PER EXAMPLE as printed; beside it, what that run guarantees per user: the same
   accountant with k = the median user's and the heaviest user's count.
+* no privacy: the example-level run and the ULS k = 16 run without noise (clipping kept).
 
 The step time: one micro-batch of ``TIMING_ROWS`` rows (a user-level one holds
 ``TIMING_ROWS / k`` users), the median of 30 steps after 5, against the example-level
@@ -63,16 +64,16 @@ import dpfunc  # noqa: E402
 from dpfunc.accounting import calibrate_noise_multiplier, example_sampling_user_epsilon  # noqa: E402
 
 # --- settings ---------------------------------------------------------------
-USERS, EXAMPLES = 2_000, 24_000  # the corpus
-ZIPF = 1.1  # user u holds a share proportional to u ** -ZIPF
+USERS, EXAMPLES = 5_000, 40_000  # the corpus
+ZIPF = 0.9  # user u holds a share proportional to u ** -ZIPF
 CONCENTRATION = 0.5  # Dirichlet concentration of each user's digit preference (non-iid)
 CORPUS_SEED = 0  # public: fixes the corpus, the users and the test set
 EPSILONS = [1.0, 3.0, 8.0]  # per user (ULS, ELS) or per example as printed (example-level)
 DELTA = 1e-5
 KS = [1, 4, 16]  # max_examples_per_user
-EXPECTED_USERS = 200  # ULS: users a step (q = 0.1)
-EXPECTED_EXAMPLES = 400  # ELS and example-level: examples a step
-STEPS = 200
+EXPECTED_USERS = 250  # ULS: users a step (q = 0.05)
+EXPECTED_EXAMPLES = 500  # ELS and example-level: examples a step
+STEPS = 300
 LR, MOMENTUM, CLIP_NORM = 2.0, 0.9, 1.0
 SEEDS = [0, 1, 2]  # public seeds: reproducible research on public data, NOT private
 ELS_GRID = 1e-2  # the mixture accountant's PLD grid for calibration (an upper bound)
@@ -165,8 +166,11 @@ def run(kind, epsilon, k, seed, data, test):
     per_user = None  # ULS: the printed epsilon is per user; example-level: see the table
     settings = dict(optimizer=dpfunc.optim.sgd(LR, momentum=MOMENTUM), clip_norm=CLIP_NORM,
                     clipping="normalized", delta=DELTA, progress=False, seed=seed)  # fmt: skip
-    if kind == "uls":
-        sigma = calibrate_noise_multiplier(epsilon, DELTA, EXPECTED_USERS / USERS, STEPS)
+    if kind in ("uls", "none_uls"):
+        rate = EXPECTED_USERS / USERS
+        sigma = (
+            0.0 if kind == "none_uls" else calibrate_noise_multiplier(epsilon, DELTA, rate, STEPS)
+        )
         trainer = dpfunc.Trainer(
             loss_fn, params, (x, y), noise_multiplier=sigma, expected_batch_size=EXPECTED_USERS,
             epochs=epochs_for(USERS, EXPECTED_USERS), privacy_unit="user", max_examples_per_user=k,
@@ -176,7 +180,9 @@ def run(kind, epsilon, k, seed, data, test):
         rows = (dpfunc.users.bound_contributions(users, k, seed=seed) if kind == "els"
                 else torch.arange(len(y)))  # fmt: skip
         rate = EXPECTED_EXAMPLES / rows.numel()
-        if kind == "els":
+        if kind == "none":
+            sigma = 0.0
+        elif kind == "els":
             sigma = calibrate_els(epsilon, rate, k)
             per_user = example_sampling_user_epsilon(
                 sigma, rate, STEPS, DELTA, k, value_discretization_interval=ELS_GRID
@@ -195,7 +201,7 @@ def run(kind, epsilon, k, seed, data, test):
     record = dict(kind=kind, epsilon=epsilon, k=k, seed=seed, sigma=sigma, seconds=seconds,
                   accuracy=accuracy(trainer.params, model, test),
                   printed=trainer.epsilon())  # fmt: skip
-    record["per_user"] = record["printed"] if kind == "uls" else per_user
+    record["per_user"] = record["printed"] if kind in ("uls", "none_uls") else per_user
     return record
 
 
@@ -309,8 +315,9 @@ def table(records, extra, timings):
         spread = statistics.stdev(accs) if len(accs) > 1 else 0.0
         return f"{statistics.mean(accs):.3f} ± {spread:.3f}"
 
-    epsilons = sorted({r["epsilon"] for r in records})
-    ks = sorted({r["k"] for r in records if r["kind"] != "example"})
+    baseline, users_baseline = cell("none", None, 0), cell("none_uls", None, 16)
+    epsilons = sorted({r["epsilon"] for r in records if r["epsilon"] is not None})
+    ks = sorted({r["k"] for r in records if r["kind"] in ("uls", "els")})
     lines = ["| epsilon | " + " | ".join(f"ULS k={k}" for k in ks) + " | "
              + " | ".join(f"ELS k={k}" for k in ks)
              + " | example-level (per example) | its median user | its heaviest user |",
@@ -323,6 +330,8 @@ def table(records, extra, timings):
             + f" | {e['median_user']:.3g} ({e['median_count']} examples)"
             + f" | {e['heaviest_user']:.4g} ({e['heaviest_count']} examples) |"
         )  # fmt: skip
+    lines += ["", f"No privacy (no noise, clipping kept): example-level {baseline}; "
+              f"each user's mean gradient (ULS k=16) {users_baseline}."]  # fmt: skip
     if timings:
         lines += ["", "| model | method | k | example-level ms | user-level ms | ratio |",
                   "| --- | --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
@@ -349,6 +358,10 @@ def main():
     print(f"{len(data[1])} examples, {len(counts)} users, median {int(counts.median())}, "
           f"max {int(counts.max())}", flush=True)  # fmt: skip
     records, extra = [], {}
+    for seed in SEEDS:
+        records.append(run("none", None, 0, seed, data, test))
+        records.append(run("none_uls", None, 16, seed, data, test))
+        print(records[-2:], flush=True)
     for epsilon in EPSILONS:
         for seed in SEEDS:
             for k in KS:

@@ -365,7 +365,7 @@ class StopAtEpsilon:
         self.limit: int | None = None  # the most steps within the budget, set at fit start
 
     def on_fit_start(self, trainer: Any, stop_at: int) -> None:
-        config, n = trainer.config, trainer.num_examples
+        config, n = trainer.config, trainer.num_units  # users, with privacy_unit="user"
         event = config.accounting_event(n)
         if any((sigma, rate) != tuple(event) for sigma, rate, _ in trainer.accountant.history):
             raise ValueError(

@@ -471,3 +471,17 @@ def test_bounded_contributions_keep_at_most_k_rows_of_each_user():
     assert owners == {"a": 2, "b": 1, "c": 2}
     assert torch.equal(kept, dpfunc.users.bound_contributions(users, 2, seed=3))
     assert torch.equal(dpfunc.users.bound_contributions(users, 5), torch.arange(9))
+
+
+def test_stop_at_epsilon_counts_users():
+    model, params, loss_fn, data, users = mlp_problem()
+    trainer = dpfunc.Trainer(
+        loss_fn, params, data, optimizer=dpfunc.optim.sgd(0.1), clip_norm=1.0,
+        noise_multiplier=1.0, expected_batch_size=6, epochs=3, privacy_unit="user",
+        max_examples_per_user=4, users=users, delta=1e-3, progress=False,
+        callbacks=[dpfunc.callbacks.StopAtEpsilon(1.5)],
+    )  # fmt: skip
+    trainer.fit()
+    assert trainer.epsilon() <= 1.5 < dpfunc.accounting.epsilon(
+        1.0, trainer.sample_rate, trainer.steps_done + 1, 1e-3
+    )
