@@ -92,8 +92,8 @@ class RunPlan:
         users: Any = None,
     ):
         column = users if isinstance(users, str) else None
-        if column is not None:  # a column of the dataset (a Hugging Face dataset's, a dict's)
-            users = _user_column(who, dataset, column)
+        if column is not None:  # a column of a Hugging Face dataset: read, then dropped
+            users, dataset = _user_column(who, dataset, column)
         dataset = as_dataset(dataset)  # numpy, lists, DataLoaders, ...: read once, here
         n = dataset_size(dataset)
         if n < 1:
@@ -208,9 +208,9 @@ class RunPlan:
         check_int("physical_batch_size", size, minimum=1)
         if size % k:
             raise ValueError(
-                f"physical_batch_size={size!r} must be a multiple of max_examples_per_user={k}: "
-                f"a micro-batch holds whole users, {k} rows each (e.g. physical_batch_size="
-                f"{k * max(1, size // k)})"
+                f"physical_batch_size={size!r} (a PrivateTrainer's per_device_train_batch_size) "
+                f"must be a multiple of max_examples_per_user={k}: a micro-batch holds whole "
+                f"users, {k} rows each (e.g. {k * max(1, size // k)})"
             )
         if math.ceil(self.num_units / (size // k)) + self.world_size > ACCUMULATED_SUMS:
             raise ValueError(  # the clip margin covers this many float64 additions
@@ -422,19 +422,22 @@ class PlannedRun:
         return before_release
 
 
-def _user_column(who: str, dataset: Any, column: str) -> Any:
-    """The ids of ``users="column"``: that column of a Hugging Face dataset or a dict of columns."""
+def _user_column(who: str, dataset: Any, column: str) -> tuple[Any, Any]:
+    """``users="column"``: that column of a Hugging Face dataset, and the dataset without it.
+
+    The ids are read without the dataset's format (a torch-format column
+    would give tensors), and the column never reaches the loss.
+    """
     names = getattr(dataset, "column_names", None)
-    if names is None and isinstance(dataset, dict):
-        names = list(dataset)
-    if names is None or column not in names:
+    if names is None or column not in names or not hasattr(dataset, "remove_columns"):
         raise ValueError(
             f"{who}: users={column!r} names a column, but the dataset "
             + (f"has the columns {list(names)}" if names is not None else "has no named columns")
             + "; give the column that holds each example's user id, or the ids themselves "
             "(a sequence, one per example)"
         )
-    return dataset[column]
+    plain = dataset.with_format(None) if hasattr(dataset, "with_format") else dataset
+    return list(plain[column]), dataset.remove_columns(column)
 
 
 def _user_index(who: str, config: DPConfig, users: Any, num_examples: int) -> UserIndex | None:

@@ -489,6 +489,11 @@ def train_with_step(
     """
     from .data import PoissonBatches
 
+    if getattr(getattr(step, "config", None), "privacy_unit", "example") != "example":
+        raise ValueError(
+            "train_with_step samples examples; a user-level step needs micro-batches of whole "
+            "users: audit it through dpfunc.Trainer(..., users=...), as tests/test_audit.py does"
+        )
     seed = secret_seed() if seed is None else seed
     batches = PoissonBatches(dataset, sample_rate, physical_batch_size, seed=seed, bands=bands)
     state = step.init(params)

@@ -55,7 +55,7 @@ from .datasets import as_dataset, dataset_size
 from .matrix_factorization import banded_noise, normalized_coefficients
 from .memory import check_memory_budget
 from .noise import NoiseMechanism, check_expected_batch_size, independent_noise
-from .users import UserBatches
+from .users import UserBatches, UserIndex
 
 __all__ = [
     "CLIPPING_MODES",
@@ -214,7 +214,8 @@ class DPConfig:
                 "privacy_unit='user' needs max_examples_per_user=k, the most examples of one "
                 "user in a step (e.g. 4), got max_examples_per_user=None"
             )
-        check_int("max_examples_per_user", k, minimum=1)
+        object.__setattr__(self, "max_examples_per_user", int(check_int("max_examples_per_user", k,
+                                                                        minimum=1)))  # fmt: skip
         unsupported = {"target_quantile": self.target_quantile, "bands": self.bands}
         given = {name: v for name, v in unsupported.items() if v not in (None, 1)}
         if given:
@@ -329,6 +330,12 @@ class DPConfig:
         :func:`dpfunc.data.poisson_sampler` at :meth:`sample_rate`, cyclic
         over ``bands`` partitions; :meth:`sampler` iterates over it.
         """
+        if self.privacy_unit == "user":
+            raise ValueError(
+                "privacy_unit='user' samples users, and a user's examples together: use "
+                "config.sampler(dataset, physical_batch_size, seed=..., users=dpfunc.users."
+                "index_users(ids, len(dataset))), or dpfunc.users.UserBatches"
+            )
         return poisson_sampler(num_examples, self.sample_rate(num_examples), bands=self.bands)
 
     def sample_rate(self, num_examples: int) -> float:
@@ -390,6 +397,12 @@ class DPConfig:
         (:class:`dpfunc.users.UserBatches`).
         """
         if self.privacy_unit == "user":
+            if not isinstance(users, UserIndex):
+                raise ValueError(
+                    "privacy_unit='user' samples users: give users=, the dataset's "
+                    "dpfunc.users.UserIndex (dpfunc.users.index_users(ids, len(dataset))), got "
+                    f"users={users!r:.60}"
+                )
             return UserBatches(
                 dataset,
                 users,

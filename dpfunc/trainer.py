@@ -93,8 +93,9 @@ class Trainer(PlannedRun):
             (:func:`dpfunc.step.check_nonfinite`).
         users: with ``DPConfig(privacy_unit="user", max_examples_per_user=k)``
             (and only then), the user of each example: a sequence of ids
-            (ints or strings) in dataset order, or the name of the dataset's
-            id column. The run protects users (:mod:`dpfunc.users`):
+            (ints or strings) in dataset order, or the name of a Hugging Face
+            dataset's id column (read, then dropped from the rows the loss
+            sees). The run protects users (:mod:`dpfunc.users`):
             ``expected_batch_size`` and ``epochs`` count users.
         **settings: ``DPConfig``'s and ``SpeedConfig``'s fields as keywords
             (``epochs=3, expected_batch_size=256, clip_norm=1.0,

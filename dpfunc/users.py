@@ -94,16 +94,16 @@ def index_users(users: Any, num_examples: int) -> UserIndex:
 
     Args:
         users: one id per dataset row, in row order: a 1-D integer tensor or
-            numpy array, or a sequence of ints or strings (any hashable that
-            is not ``None``, a float or a bool). Ids are public: they name
-            who holds which rows, and the count of users is printed.
+            numpy array, or a sequence of ints or of strings (0-d tensors and
+            numpy scalars are read as their values). Ids are public: they
+            name who holds which rows, and the count of users is printed.
         num_examples: the dataset's rows.
 
     Raises:
         ValueError: ``users`` is not 1-D, its length is not ``num_examples``,
-            or an id is missing (``None``), a float (a NaN id would make a
-            user per row) or a bool.
-        TypeError: an id is not hashable.
+            an id is missing (``None``, ``pd.NA``), a float (a NaN id would
+            make a user per row), a bool or anything but an int or a string,
+            or ints and strings are mixed (``1`` and ``"1"`` would be two users).
 
     >>> index = index_users(["ann", "bob", "ann"], 3)
     >>> index.rows.tolist(), index.counts.tolist()
@@ -144,20 +144,39 @@ def _codes(users: Any) -> Tensor:
             f"users must be a 1-D sequence of user ids, one per example, got users={users!r:.80}"
         )
     seen: dict[Any, int] = {}
-    codes = []
+    codes, kinds = [], set()
     for position, user in enumerate(users):
-        if user is None or isinstance(user, float | bool):
+        user = _id(user, position)
+        kinds.add(type(user))
+        if len(kinds) > 1:
             raise ValueError(
-                f"users[{position}] is {user!r}: every example needs its user's id, an int or a "
-                "string (an example without a user cannot be protected as part of one)"
+                f"users mixes ints and strings (users[{position}] is {user!r}): 1 and '1' would "
+                "be two users; give every id in one kind"
             )
-        try:
-            codes.append(seen.setdefault(user, len(seen)))
-        except TypeError as err:
-            raise TypeError(
-                f"users[{position}] must be hashable (an int or a string), got {user!r:.80}"
-            ) from err
+        codes.append(seen.setdefault(user, len(seen)))
     return torch.tensor(codes, dtype=torch.int64)
+
+
+def _id(user: Any, position: int) -> int | str:
+    """One id as a Python int or str; anything that could split or merge people is refused.
+
+    A 0-d tensor or a numpy scalar (what iterating a tensor, or a Hugging Face
+    column in torch format, gives) is read as its value: hashed as an object,
+    no two rows would ever share a user.
+    """
+    if isinstance(user, Tensor | np.ndarray) and user.ndim == 0 or isinstance(user, np.generic):
+        user = user.item()
+    if isinstance(user, int | str) and not isinstance(user, bool):
+        return int(user) if isinstance(user, int) else str(user)
+    why = (
+        "a missing id: every example needs its user's (an example without a user cannot be "
+        "protected as part of one)"
+        if user is None or type(user).__name__ in ("NAType", "NaTType")
+        else "a float id can be NaN, and NaN is never equal to itself"
+        if isinstance(user, float)
+        else "ids are ints or strings"
+    )
+    raise ValueError(f"users[{position}] is {user!r:.80}: {why}")
 
 
 def sample_user_rows(

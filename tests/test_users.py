@@ -60,13 +60,28 @@ def test_users_are_indexed_in_order_of_first_appearance():
         (torch.tensor([1.0, 2.0, 1.0]), "integer or string ids"),
         (torch.zeros(3, 2, dtype=torch.int64), "1-D"),
         ("abc", "a 1-D sequence of user ids"),
+        ([np.float32(1.0), np.float32(2.0), np.float32("nan")], r"users\[0\] is 1.0: a float"),
+        ([np.bool_(True), np.bool_(False), np.bool_(True)], r"users\[0\] is True"),
+        ([1, "1", 2], r"mixes ints and strings \(users\[1\] is '1'\)"),
+        ([(1,), (2,), (1,)], r"users\[0\] is \(1,\): ids are ints or strings"),
+        ([b"a", b"b", b"a"], "ids are ints or strings"),
     ],
 )
 def test_bad_ids_are_refused(ids, match):
     with pytest.raises(ValueError, match=match):
         index_users(ids, 3)
-    with pytest.raises(TypeError, match="hashable"):
-        index_users([[1], [2], [1]], 3)
+
+
+def test_ids_as_zero_d_tensors_or_numpy_scalars_are_read_as_their_values():
+    """Iterating a tensor (or a torch-format column) gives 0-d tensors, which hash by identity:
+    read as objects, every row would be a user of its own."""
+    ids = torch.tensor([4, 7, 4, 4, 7, 9])
+    expected = index_users(ids, 6)
+    for form in (list(ids), [np.int64(i) for i in ids.tolist()], [str(i) for i in ids.tolist()],
+                 list(ids.numpy())):  # fmt: skip
+        got = index_users(form, 6)
+        assert got.num_users == 3
+        assert torch.equal(got.rows, expected.rows) and torch.equal(got.offsets, expected.offsets)
 
 
 # --------------------------------------------------------------------------- the sample
@@ -374,8 +389,8 @@ def test_user_level_settings_come_together_or_not_at_all():
         dpfunc.DPConfig(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=6, bands=2,
                         privacy_unit="user", max_examples_per_user=3,
                         target_quantile=0.5)  # fmt: skip
-    with pytest.raises(ValueError, match="physical_batch_size=10 must be a multiple of "
-                                         "max_examples_per_user=4"):  # fmt: skip
+    multiple = r"physical_batch_size=10 \(.*\) must be a multiple of max_examples_per_user=4"
+    with pytest.raises(ValueError, match=multiple):
         dpfunc.Trainer(loss_fn, params, data, privacy_unit="user", max_examples_per_user=4,
                        users=users, physical_batch_size=10, **base)  # fmt: skip
     with pytest.raises(ValueError, match="one user id per example"):
@@ -482,6 +497,53 @@ def test_stop_at_epsilon_counts_users():
         callbacks=[dpfunc.callbacks.StopAtEpsilon(1.5)],
     )  # fmt: skip
     trainer.fit()
-    assert trainer.epsilon() <= 1.5 < dpfunc.accounting.epsilon(
-        1.0, trainer.sample_rate, trainer.steps_done + 1, 1e-3
+    assert (
+        trainer.epsilon()
+        <= 1.5
+        < dpfunc.accounting.epsilon(1.0, trainer.sample_rate, trainer.steps_done + 1, 1e-3)
     )
+
+
+def test_a_user_level_config_never_hands_out_an_example_sampler():
+    config = user_config()
+    with pytest.raises(ValueError, match="samples users, and a user's examples together"):
+        config.poisson_sampler(100)
+    with pytest.raises(ValueError, match="give users=, the dataset's dpfunc.users.UserIndex"):
+        config.sampler(torch.zeros(100, 2), 4, seed=1)
+    model, params, loss_fn, data, _ = mlp_problem()
+    step = dpfunc.make_train_step(loss_fn, dpfunc.optim.sgd(0.1), config=config)
+    with pytest.raises(ValueError, match="train_with_step samples examples"):
+        dpfunc.audit.train_with_step(step, params, data, steps=1, sample_rate=0.1,
+                                     physical_batch_size=4)  # fmt: skip
+    k = dpfunc.DPConfig(clip_norm=1.0, noise_multiplier=1.0, expected_batch_size=2.0,
+                        privacy_unit="user", max_examples_per_user=np.int64(2))  # fmt: skip
+    assert type(k.max_examples_per_user) is int  # the report's JSON takes it
+
+
+def test_a_hugging_face_id_column_is_read_as_values_and_dropped(tmp_path):
+    datasets = pytest.importorskip("datasets", reason="needs the 'hf' extra")
+    x, y = torch.randn(48, 5), torch.randint(0, 3, (48,))
+    authors = [f"author{i % 6}" for i in range(48)]
+    table = datasets.Dataset.from_dict({"x": x.tolist(), "y": y.tolist(), "author": authors})
+    seen = []
+    model = nn.Linear(5, 3)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, row):
+        seen.append(sorted(row))
+        out = functional_call(model, (p, buffers), (row["x"][None],))
+        return nn.functional.cross_entropy(out, row["y"][None])
+
+    for form in (table, table.with_format("torch")):
+        trainer = dpfunc.Trainer(
+            loss_fn, params, form, users="author", privacy_unit="user",
+            max_examples_per_user=4, optimizer=dpfunc.optim.sgd(0.1), clip_norm=1.0,
+            noise_multiplier=1.0, expected_batch_size=3, epochs=1, progress=False,
+        )  # fmt: skip
+        assert trainer.num_units == 6
+        trainer.fit()
+        assert "6 users (column 'author') over 48 examples" in str(trainer.privacy_report())
+    assert seen and all(keys == ["x", "y"] for keys in seen)  # the ids never reach the loss
+    numbered = table.add_column("uid", [i % 6 for i in range(48)]).with_format("torch")
+    assert isinstance(next(iter(numbered["uid"])), torch.Tensor)  # 0-d tensors, one per row
+    assert index_users(list(numbered["uid"]), 48).num_users == 6  # read as their values

@@ -210,7 +210,10 @@ class PrivateTrainer(transformers.Trainer):
                 + ": give the column that holds each example's user id (e.g. 'author'), or the "
                 "ids themselves, one per example"
             )
-        return list(self.train_dataset[users])
+        dataset = self.train_dataset  # read without its format: torch would give tensors
+        return list(
+            (dataset.with_format(None) if hasattr(dataset, "with_format") else dataset)[users]
+        )
 
     def _train_rows(self) -> Collated:
         """The training set, read and collated one micro-batch at a time when a step uses it.
