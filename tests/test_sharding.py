@@ -53,6 +53,9 @@ TRAINER = dict(
     progress=False,
 )
 RESUME_AT = 3
+# user-level: 13 users of 3 examples (the last of 4), at most 2 a step, 3 users a step
+USERS = dict(bands=1, privacy_unit="user", max_examples_per_user=2, expected_batch_size=3,
+             users=[min(i // 3, 12) for i in range(N)])  # fmt: skip
 
 
 class Transformer(nn.Module):
@@ -179,6 +182,7 @@ def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
             }
     result["one_call"] = one_call_steps(rank, world_size, shard=True)
     result["private"] = private_run(rank, shard=True)
+    result["users"] = private_run(rank, shard=True, **USERS)
     # the Trainer, sharded, with a sharded checkpoint at RESUME_AT
     first = dpfunc.Trainer(*trainer_problem(), shard=True, **TRAINER)
     first.fit(max_steps=RESUME_AT)
@@ -188,7 +192,7 @@ def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
     return result
 
 
-def private_run(model_seed: int = 0, **shard) -> dict:
+def private_run(model_seed: int = 0, bands: int = 2, **more) -> dict:
     """PrivateGradients with torch.optim.Adam; FSDP2 shards the model when shard=True.
 
     The first layer's bias is frozen: the loss reads it from the model, whole.
@@ -198,7 +202,8 @@ def private_run(model_seed: int = 0, **shard) -> dict:
     model, loss_fn, _, dataset, _ = problem("mlp", model_seed)
     model[0].bias.requires_grad_(False)
     settings = {k: v for k, v in TRAINER.items() if k not in ("optimizer", "progress")}
-    private = dpfunc.PrivateGradients(model, loss_fn, dataset, bands=2, **settings, **shard)
+    settings.update(more)
+    private = dpfunc.PrivateGradients(model, loss_fn, dataset, bands=bands, **settings)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(trainable, lr=0.05)  # after the sharding
     for batch in private.batches():
@@ -210,7 +215,9 @@ def private_run(model_seed: int = 0, **shard) -> dict:
     return {
         "params": whole,
         "forward": model(x).detach(),  # the model's own forward: FSDP2's hooks still work
-        "functional": functional_call(model, whole, (x,)).detach() if not shard else None,
+        "functional": functional_call(model, whole, (x,)).detach()
+        if not more.get("shard")
+        else None,
         "optimizer_bytes": sum(
             state_bytes([t.to_local() if hasattr(t, "to_local") else t for t in v.values()])
             for v in optimizer.state.values()
@@ -360,6 +367,17 @@ def test_private_gradients_sharded_by_fully_shard_equal_one_process(runs, world_
     held = [r["optimizer_bytes"] for r in ranks]  # Adam's moments: this rank's rows
     assert sum(held) <= alone["optimizer_bytes"] + 8 * 4 * world_size  # + the step counts
     assert max(held) < alone["optimizer_bytes"] * 0.75
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_user_level_private_gradients_sharded_equal_one_process(runs, world_size):
+    ranks = [r["users"] for r in runs[1][world_size]]
+    alone = private_run(0, **USERS)
+    assert alone["epsilon"] > 0
+    for r in ranks:
+        assert r["epsilon"] == alone["epsilon"]
+        for name, value in alone["params"].items():
+            torch.testing.assert_close(r["params"][name], value, rtol=0, atol=2e-6)
 
 
 def test_trainer_resumes_sharded_bit_identically_and_on_more_ranks(runs):
