@@ -244,7 +244,7 @@ def bound_contributions(
     Returns:
         The sorted int64 indices of the rows kept.
 
-    >>> bound_contributions(["a", "a", "b", "a"], 2, seed=0).numel()
+    >>> bound_contributions(["a", "a", "b", "a"], 2, seed=0).numel()  # a public seed: an example
     3
     """
     k = check_int("max_examples_per_user", max_examples_per_user, minimum=1)
