@@ -44,7 +44,7 @@ from .datasets import as_dataset, dataset_fingerprint, dataset_size
 from .noise import check_seed, secret_seed, standard_normal_like
 from .report import PrivacyReport, privacy_report, steps_within_budget
 from .step import TrainState, TrainStep, check_nonfinite, make_train_step
-from .users import UserIndex, index_users
+from .users import UserIndex, index_users, read_user_column
 
 
 class RunPlan:
@@ -72,7 +72,10 @@ class RunPlan:
     the seed keys), ``stream_seed`` (the secret that keys the samples and
     the noise of the steps to come: the seed, or a continuation's fresh
     one) and ``lineage`` (an id per continuation, oldest first: whose
-    checkpoint this run may overwrite).
+    checkpoint this run may overwrite); user-level runs also ``users`` (the
+    :class:`dpfunc.users.UserIndex`; ``None`` for examples), ``num_units`` (the
+    count the accountant reads: users or examples) and ``user_column`` (the
+    ids' column, named in the report; ``None`` for ids given as values).
 
     Raises:
         ValueError, TypeError: an argument is invalid (named with its value),
@@ -93,7 +96,7 @@ class RunPlan:
     ):
         column = users if isinstance(users, str) else None
         if column is not None:  # a column of a Hugging Face dataset: read, then dropped
-            users, dataset = _user_column(who, dataset, column)
+            users, dataset = read_user_column(who, dataset, column)
         dataset = as_dataset(dataset)  # numpy, lists, DataLoaders, ...: read once, here
         n = dataset_size(dataset)
         if n < 1:
@@ -422,24 +425,6 @@ class PlannedRun:
         return before_release
 
 
-def _user_column(who: str, dataset: Any, column: str) -> tuple[Any, Any]:
-    """``users="column"``: that column of a Hugging Face dataset, and the dataset without it.
-
-    The ids are read without the dataset's format (a torch-format column
-    would give tensors), and the column never reaches the loss.
-    """
-    names = getattr(dataset, "column_names", None)
-    if names is None or column not in names or not hasattr(dataset, "remove_columns"):
-        raise ValueError(
-            f"{who}: users={column!r} names a column, but the dataset "
-            + (f"has the columns {list(names)}" if names is not None else "has no named columns")
-            + "; give the column that holds each example's user id, or the ids themselves "
-            "(a sequence, one per example)"
-        )
-    plain = dataset.with_format(None) if hasattr(dataset, "with_format") else dataset
-    return list(plain[column]), dataset.remove_columns(column)
-
-
 def _user_index(who: str, config: DPConfig, users: Any, num_examples: int) -> UserIndex | None:
     """The run's users: required with ``privacy_unit="user"``, refused without it."""
     if config.privacy_unit == "user":
@@ -448,6 +433,12 @@ def _user_index(who: str, config: DPConfig, users: Any, num_examples: int) -> Us
                 f"{who}: privacy_unit='user' needs users=, the user id of each example (a "
                 "sequence beside the dataset, or the name of its id column), got users=None"
             )
+        if isinstance(users, UserIndex):  # indexed already (PrivateTrainer's column)
+            if users.rows.numel() != num_examples:
+                raise ValueError(
+                    f"{who}: users index {users.rows.numel()} rows, the dataset has {num_examples}"
+                )
+            return users
         return index_users(users, num_examples)
     if users is not None:
         raise ValueError(  # nothing is silently dropped

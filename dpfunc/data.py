@@ -381,7 +381,7 @@ def gather_micro_batches(
     ``padded``: int64 row indices, a multiple of ``physical_batch_size`` long;
     ``mask``: bool, as long, ``False`` for padding rows (whose index names a
     real row, e.g. 0). The layout is the caller's (:func:`micro_batches`,
-    :func:`dpfunc.users.user_micro_batches`); this only gathers.
+    :class:`dpfunc.users.UserBatches`); this only gathers.
     """
     count = int(mask.sum())
     if not bool(mask[:count].all()):  # padding between real rows: read every row as given

@@ -57,13 +57,34 @@ from .data import (
     _share_size,
     gather_micro_batches,
     num_micro_batches,
-    poisson_sample,
+    poisson_sampler,
     split_for_rank,
 )
 from .datasets import dataset_size
 from .noise import check_seed, keyed_generator, secret_seed
 
 __all__ = ["UserBatches", "UserIndex", "bound_contributions", "index_users"]
+
+
+def read_user_column(who: str, dataset: Any, column: str) -> tuple[list, Any]:
+    """``users="column"``: that column of a Hugging Face dataset, and the dataset without it.
+
+    The ids are read without the dataset's format (a torch-format column
+    would give tensors), and the column never reaches the loss.
+
+    Raises:
+        ValueError: the dataset has no such column (its columns are named).
+    """
+    names = getattr(dataset, "column_names", None)
+    if names is None or column not in names or not hasattr(dataset, "remove_columns"):
+        raise ValueError(
+            f"{who}: users={column!r} names a column, but the dataset "
+            + (f"has the columns {list(names)}" if names is not None else "has no named columns")
+            + "; give the column that holds each example's user id, or the ids themselves "
+            "(a sequence, one per example)"
+        )
+    plain = dataset.with_format(None) if hasattr(dataset, "with_format") else dataset
+    return list(plain[column]), dataset.remove_columns(column)
 
 
 class UserIndex(NamedTuple):
@@ -320,7 +341,8 @@ class UserBatches(PoissonBatches):
     """User-level sampled logical batches as fixed-shape micro-batches of whole users.
 
     Step ``t``: the users of :func:`dpfunc.data.poisson_sample` over ``U``
-    users at ``sample_rate`` (keyed by ``(seed, t)``), each with at most
+    users at ``sample_rate`` (keyed by ``(seed, t)``; ``indices(t)`` are
+    the users, ``self.sampler`` samples users), each with at most
     ``k`` of their rows (:func:`sample_user_rows`). Each rank takes every
     ``world_size``-th sampled user; all ranks run the same number of
     micro-batches. Everything else is :class:`dpfunc.data.PoissonBatches`'
@@ -365,17 +387,14 @@ class UserBatches(PoissonBatches):
         self.users = users
         self.max_examples_per_user = k
         self.users_per_micro_batch = physical_batch_size // k
+        # the Poisson sampler over the users, keyed by the same secret
+        self.sampler = poisson_sampler(users.num_users, sample_rate)
+        self.sampler_state = self.sampler.init(self.sampler_state.seed)
 
     @property
     def expected_batch_size(self) -> float:
         """``sample_rate * num_users``: the expected users of a step, the average's denominator."""
         return self.sample_rate * self.users.num_users
-
-    def indices(self, step: int) -> Tensor:
-        """Step ``step``'s sampled users (the same on every rank)."""
-        return poisson_sample(
-            self.users.num_users, self.sample_rate, seed=self.sampler_state.seed, step=step
-        )
 
     def _agreed_count(self, logical_size: int) -> int:
         return max(

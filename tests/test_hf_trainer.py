@@ -171,7 +171,7 @@ def test_an_author_column_makes_the_run_user_level(tmp_path):
     ours, theirs = trainable(trainer.model), trainable(model)
     for name in ours:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-7)
-    with pytest.raises(ValueError, match="users='writer' names a column of train_dataset"):
+    with pytest.raises(ValueError, match="users='writer' names a column, but the dataset has"):
         PrivateTrainer(model=gpt2_lora(), args=arguments(tmp_path), train_dataset=corpus,
                        data_collator=pad, privacy=config, users="writer")  # fmt: skip
 

@@ -51,7 +51,7 @@ from ..config import DPConfig, SpeedConfig
 from ..datasets import Collated
 from ..losses import IGNORE_INDEX, batched_loss
 from ..private import LogicalBatch, PrivateGradients
-from ..users import index_users
+from ..users import index_users, read_user_column
 
 __all__ = [
     "PRIVACY_REPORT",
@@ -170,9 +170,11 @@ class PrivateTrainer(transformers.Trainer):
         )
         head = loss or per_example_loss(self.model, self.args.label_smoothing_factor)
         self._user_column = users if isinstance(users, str) else None
-        ids = self._user_ids(users)
+        if self._user_column is not None:  # read once; _train_rows drops it before the model
+            users, _ = read_user_column("PrivateTrainer", self.train_dataset, users)
         rows = self._train_rows()
-        units = len(rows) if ids is None else index_users(ids, len(rows)).num_users
+        users = None if users is None else index_users(users, len(rows))  # indexed once
+        units = len(rows) if users is None else users.num_users
         self.private = PrivateGradients(
             self.model,
             _model_loss(self.model, head),
@@ -180,7 +182,7 @@ class PrivateTrainer(transformers.Trainer):
             config=self._planned(privacy, units),
             speed=speed,
             seed=seed,
-            users=ids,
+            users=users,
         )
         if self._user_column is not None:  # the report names the column
             self.private.plan.user_column = self._user_column
@@ -197,23 +199,6 @@ class PrivateTrainer(transformers.Trainer):
                 "to silence this warning",
                 stacklevel=2,
             )
-
-    def _user_ids(self, users: Any) -> Any:
-        """The user ids of ``users=``: a column of ``train_dataset`` by name, or the ids given."""
-        if not isinstance(users, str):
-            return users
-        names = getattr(self.train_dataset, "column_names", None)
-        if names is None or users not in names:
-            raise ValueError(
-                f"users={users!r} names a column of train_dataset, which "
-                + (f"has the columns {names}" if names is not None else "has no named columns")
-                + ": give the column that holds each example's user id (e.g. 'author'), or the "
-                "ids themselves, one per example"
-            )
-        dataset = self.train_dataset  # read without its format: torch would give tensors
-        return list(
-            (dataset.with_format(None) if hasattr(dataset, "with_format") else dataset)[users]
-        )
 
     def _train_rows(self) -> Collated:
         """The training set, read and collated one micro-batch at a time when a step uses it.
