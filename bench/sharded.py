@@ -1,27 +1,36 @@
-"""Sharded DP-SGD against data-parallel DP-SGD and non-private FSDP2: per-rank memory and time.
+"""Memory of a private step against the non-private one: one process, data-parallel, sharded.
 
-Every method runs on W ranks (gloo on CPU, one thread each; NCCL with one GPU per
-rank when there are W GPUs), each rank a fresh process, on an MLP
-``IN -> HIDDEN -> HIDDEN -> HIDDEN -> 10`` (tanh) with Adam and BATCH examples
-per rank per step:
+Every run is a fresh set of processes (gloo on CPU, one thread each; NCCL with one GPU per
+rank where there are enough), on an MLP ``IN -> HIDDEN -> HIDDEN -> HIDDEN -> 10`` (tanh),
+BATCH examples per rank per step, with SGD (no momentum) or Adam:
 
-- ``fsdp``: non-private FSDP2, ``fully_shard`` on each linear layer and the
-  root, mean loss, ``backward``, ``torch.optim.Adam``.
-- ``dpfunc_dp``: ``dpfunc.distributed.make_train_step(..., model=model)``
-  (ghost clipping), data-parallel: every rank holds everything.
-- ``dpfunc_sharded``: the same with ``shard=True``.
+- ``torch``: one process, non-private: mean loss, ``backward``, ``torch.optim``, on
+  2 x BATCH examples.
+- ``dpfunc``: one process, ``dpfunc.make_train_step(..., model=model)`` (ghost
+  clipping) on the same 2 x BATCH examples as two micro-batches (``logical_step``).
+- ``ddp``: non-private ``DistributedDataParallel``, BATCH examples per rank.
+- ``dpfunc_dp``: ``dpfunc.distributed.make_train_step`` (ghost clipping), data-parallel.
+- ``fsdp``: non-private FSDP2, ``fully_shard`` on each linear layer and the root.
+- ``dpfunc_sharded``: ``dpfunc.distributed.make_train_step(..., shard=True)``.
+- ``private_gradients``, ``private_gradients_dp``, ``private_gradients_sharded``:
+  ``dpfunc.PrivateGradients`` (ghost clipping) on one process, data-parallel, and with
+  ``shard=True``, with a ``torch.optim`` optimizer (built on the sharded model), one
+  Poisson batch per step of expected size BATCH per rank from DATASET x that many
+  examples (physical batches of 2 x BATCH: mostly one per rank).
 
-Per rank: the state it keeps between steps (parameters, optimizer state) in
-bytes, counted exactly; the peak memory during the timed steps above the
-memory before the model was built (CPU: the process's resident set, sampled
-every millisecond, in a run of its own with glibc's mmap threshold fixed so
-that freed tensors leave it; CUDA: ``max_memory_allocated``); the median
-step time
-(a private step includes drawing the noise). The whole model is built on
-every rank first (as each method starts from it), then freed.
+Per rank, in copies of the whole parameters (float32): ``kept``, what it holds between
+steps (parameters, optimizer state, a private run's noise history), counted exactly; and
+``peak``, kept plus the most a step adds to the resident set above the level before it
+(VmHWM reset through ``/proc/self/clear_refs`` before each step, in a run with glibc's mmap
+threshold fixed at 64 KiB so that freed tensors leave the resident set; CUDA:
+``max_memory_allocated`` above ``memory_allocated``). A private step includes drawing its
+noise. Nothing else is alive: the model a run starts from is freed (the functional runs
+keep their state only). Time: in a run with the default allocator, the median of REPEATS
+steps after WARMUP.
 
-Run: ``.venv/bin/python bench/sharded.py`` (writes bench/sharded.json and
-.md; ``--quick`` runs a small model for a smoke check).
+Run: ``.venv/bin/python bench/sharded.py`` (writes bench/sharded.json and .md;
+``--quick`` runs a small model for a smoke check; ``--only METHOD ...`` reruns those rows
+and keeps the others from the last run's json).
 """
 
 from __future__ import annotations
@@ -29,12 +38,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -42,10 +51,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import peak_mb  # noqa: E402
+
 SIZES = {"full": (1024, 3072, 16), "quick": (64, 128, 4)}  # IN, HIDDEN, BATCH per rank
-WARMUP, REPEATS = 2, 7
-METHODS = ("fsdp", "dpfunc_dp", "dpfunc_sharded")
-WORLD_SIZES = (2, 4)
+WARMUP, REPEATS = 2, 5
+TIMEOUT_S = 600  # one run's processes, start to end
+DATASET = 8  # PrivateGradients samples from DATASET x the expected batch
+# (method, world sizes): the non-private reference of each row group first
+RUNS = (
+    ("torch", (1,)), ("dpfunc", (1,)), ("private_gradients", (1,)),
+    ("ddp", (2,)), ("dpfunc_dp", (2,)), ("private_gradients_dp", (2,)),
+    ("fsdp", (2, 4)), ("dpfunc_sharded", (2, 4)), ("private_gradients_sharded", (2,)),
+)  # fmt: skip
+REFERENCE = {"dpfunc": "torch", "private_gradients": "torch", "dpfunc_dp": "ddp",
+             "private_gradients_dp": "ddp", "dpfunc_sharded": "fsdp",
+             "private_gradients_sharded": "fsdp"}  # fmt: skip
+OPTIMIZERS = ("sgd", "adam")
+LR = 1e-3
 
 
 def build(size: str) -> nn.Module:
@@ -57,230 +80,280 @@ def build(size: str) -> nn.Module:
     )  # fmt: skip
 
 
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakMemory:
-    """The peak memory in a block, above the level at its start (sampled on a CPU)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.peak, self._stop = device, 0, threading.Event()
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return self
-        self.peak = rss()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss())
-            time.sleep(0.001)
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-            return
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss())
-
-
 def nbytes(tree) -> int:
+    import optree
     from torch.distributed.tensor import DTensor
 
-    leaves = [x.to_local() if isinstance(x, DTensor) else x for x in dpfunc_leaves(tree)]
+    leaves = optree.tree_leaves(tree, none_is_leaf=False)
+    leaves = [x.to_local() if isinstance(x, DTensor) else x for x in leaves]
     return sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor))
 
 
-def dpfunc_leaves(tree):
-    import optree
-
-    return optree.tree_leaves(tree, none_is_leaf=False)
+def torch_optimizer(name: str, params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR) if name == "sgd" else torch.optim.Adam(params, lr=LR)
 
 
-def run_rank(method: str, size: str, out: str) -> None:
+def nonprivate(model: nn.Module, optimizer: torch.optim.Optimizer, x, y):
+    def step(t: int) -> None:
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def kept() -> int:
+        states = [s for state in optimizer.state.values() for s in state.values()]
+        return nbytes(list(model.parameters())) + nbytes(states)
+
+    return step, kept
+
+
+def functional(method: str, opt: str, model: nn.Module, x, y, world_size: int):
     import dpfunc
 
-    info = dpfunc.distributed.init(timeout_s=600)
+    params, buffers = dpfunc.functionalize(model)
+
+    def loss_fn(p, example):
+        xi, yi = example
+        logits = torch.func.functional_call(model, (p, buffers), (xi[None],))
+        return F.cross_entropy(logits, yi[None])
+
+    optimizer = dpfunc.optim.sgd(lr=LR) if opt == "sgd" else dpfunc.optim.adam(lr=LR)
+    make = dpfunc.make_train_step if method == "dpfunc" else dpfunc.distributed.make_train_step
+    shard = {"shard": True} if method == "dpfunc_sharded" else {}
+    train_step = make(
+        loss_fn, optimizer, model=model, method="ghost", clip_norm=1.0, noise_multiplier=1.0,
+        expected_batch_size=len(x) * world_size, **shard,
+    )  # fmt: skip
+    holder = [train_step.init(params)]
+    del params  # the run keeps its state only (rows, when sharded)
+    for p in model.parameters():  # nor does the model hold a copy (loss_fn passes them all)
+        p.data = torch.empty(0, device=x.device)
+    mask = torch.ones(len(x), dtype=torch.bool, device=x.device)
+    halves = 2 if method == "dpfunc" else 1  # one process: two micro-batches
+    parts = zip(x.chunk(halves), y.chunk(halves), mask.chunk(halves))
+    micro = [((xs, ys), ms) for xs, ys, ms in parts]
+
+    def step(t: int) -> None:
+        noise = train_step.draw_noise(holder[0].params, seed=12345, step=t)
+        holder[0], _ = train_step.logical_step(holder[0], micro, noise)
+
+    def kept() -> int:
+        s = holder[0]
+        return nbytes((s.params, s.opt_state, s.noise_state))
+
+    return step, kept
+
+
+def private_gradients(method: str, opt: str, model: nn.Module, x, y, world_size: int):
+    import dpfunc
+
+    def loss_fn(p, example):
+        xi, yi = example
+        return F.cross_entropy(torch.func.functional_call(model, p, (xi[None],)), yi[None])
+
+    per_rank = len(x) // (DATASET * world_size)  # BATCH: each rank's expected share
+    private = dpfunc.PrivateGradients(
+        model, loss_fn, (x, y), expected_batch_size=per_rank * world_size, clip_norm=1.0,
+        noise_multiplier=1.0, method="ghost", shard=method.endswith("sharded"),
+        physical_batch_size=2 * per_rank,
+        seed=12345,
+    )  # fmt: skip
+    optimizer = torch_optimizer(opt, model.parameters())  # after the sharding
+    batches = private.batches()
+
+    def step(t: int) -> None:
+        private.backward(next(batches))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def kept() -> int:
+        states = [s for state in optimizer.state.values() for s in state.values()]
+        return nbytes(list(model.parameters())) + nbytes(states) + nbytes(private.state_dict())
+
+    return step, kept
+
+
+def run_rank(method: str, opt: str, size: str, out: str) -> None:
+    import dpfunc
+
+    measure_memory = "MALLOC_MMAP_THRESHOLD_" in os.environ  # launch's memory run
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        info = dpfunc.distributed.init(timeout_s=600)
+        rank, device = info.rank, info.device
+    else:
+        rank, device = 0, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(1)
-    device = info.device
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else rss()
     inputs, _, batch = SIZES[size]
-    g = torch.Generator().manual_seed(1 + info.rank)
+    batch = batch * (2 if world == 1 else 1)  # one process: the examples of 2 ranks
+    g = torch.Generator().manual_seed(1 + rank)
+    if method.startswith("private_gradients"):  # one dataset, sampled by PrivateGradients
+        g, batch = torch.Generator().manual_seed(1), DATASET * batch * world
     x = torch.randn(batch, inputs, generator=g).to(device)
     y = torch.randint(0, 10, (batch,), generator=g).to(device)
     model = build(size).to(device)
-    if method == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-
-        def step(t: int) -> None:
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        def kept() -> int:
-            return nbytes(list(model.parameters())) + nbytes(
-                [s for state in optimizer.state.values() for s in state.values()]
-            )
+    if method.startswith("private_gradients"):
+        step, kept = private_gradients(method, opt, model, x, y, world)
+    elif method.startswith("dpfunc"):
+        step, kept = functional(method, opt, model, x, y, world)
     else:
-        params, buffers = dpfunc.functionalize(model)
+        if method == "fsdp":
+            from torch.distributed.fsdp import fully_shard
 
-        def loss_fn(p, example):
-            xi, yi = example
-            out = torch.func.functional_call(model, (p, buffers), (xi[None],))
-            return F.cross_entropy(out, yi[None])
-
-        train_step = dpfunc.distributed.make_train_step(
-            loss_fn, dpfunc.optim.adam(lr=1e-3), model=model, method="ghost", clip_norm=1.0,
-            noise_multiplier=1.0, expected_batch_size=batch * info.world_size,
-            shard=method == "dpfunc_sharded",
-        )  # fmt: skip
-        state = train_step.init(params)
-        del params  # the trainer keeps its state only (rows, when sharded)
-        for p in model.parameters():  # nor does the model hold a copy (loss_fn passes them all)
-            p.data = torch.empty(0, device=device)
-        mask = torch.ones(batch, dtype=torch.bool, device=device)
-        holder = [state]
-
-        def step(t: int) -> None:
-            noise = train_step.draw_noise(holder[0].params, seed=12345, step=t)
-            holder[0], _ = train_step.logical_step(holder[0], [((x, y), mask)], noise)
-
-        def kept() -> int:
-            s = holder[0]
-            return nbytes((s.params, s.opt_state, s.noise_state))
-
+            for layer in model:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+        elif method == "ddp":
+            model = nn.parallel.DistributedDataParallel(model)
+        step, kept = nonprivate(model, torch_optimizer(opt, model.parameters()), x, y)
     for t in range(WARMUP):
         step(t)
-    times = []
-    with PeakMemory(device) as peak:
-        for t in range(WARMUP, WARMUP + REPEATS):
+    times, peaks = [], []
+    for t in range(WARMUP, WARMUP + REPEATS):
+        if world > 1:
             torch.distributed.barrier()
-            started = time.perf_counter()
-            step(t)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - started)
-    result = {
-        "method": method,
-        "rank": info.rank,
-        "world_size": info.world_size,
-        "device": str(device),
-        "kept_bytes": kept(),
-        "peak_bytes": peak.peak - base,
-        "step_s": statistics.median(times),
-        "times": times,
-    }
-    with open(os.path.join(out, f"{method}-{info.world_size}-{info.rank}.json"), "w") as f:
-        json.dump(result, f)
-    dpfunc.distributed.shutdown()
+        if measure_memory:
+            peaks.append(peak_mb(lambda t=t: step(t)) * 2**20)  # synchronized
+            continue
+        started = time.perf_counter()
+        step(t)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    result = {"kept_bytes": kept(), "extra_bytes": max(peaks, default=None),
+              "step_s": statistics.median(times) if times else None}  # fmt: skip
+    Path(out, f"{method}-{opt}-{world}-{rank}.json").write_text(json.dumps(result))
+    if world > 1:
+        dpfunc.distributed.shutdown()
 
 
-def launch(method: str, size: str, world_size: int, out: str, memory: bool) -> list[dict]:
-    """One run of ``method`` on ``world_size`` fresh processes; each rank's result.
+def launch(method: str, opt: str, size: str, world: int, out: str, memory: bool) -> list[dict]:
+    """One run on ``world`` fresh processes; each rank's result.
 
-    ``memory``: with glibc's mmap threshold fixed at 128 KiB, so that every
-    tensor of that size or more is mapped on its own and returned on free,
-    and the resident set follows the live tensors (glibc's adaptive
-    threshold keeps freed model-sized buffers in the heap). The fixed
-    threshold slows allocation, so times come from a run without it.
+    ``memory``: with glibc's mmap threshold fixed at 64 KiB, so that every
+    tensor of that size or more is mapped on its own and returned on free
+    (glibc's adaptive threshold keeps freed model-sized buffers in the heap).
+    The fixed threshold slows allocation, so times come from a run without it.
     """
+    for attempt in range(3):
+        try:
+            return _launch_once(method, opt, size, world, out, memory)
+        except subprocess.TimeoutExpired:  # a rendezvous that never met: again, on a new port
+            print(f"{method} with {opt} on {world} ranks timed out (attempt {attempt + 1})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    raise RuntimeError(f"{method} with {opt} on {world} ranks timed out 3 times")
+
+
+def _launch_once(
+    method: str, opt: str, size: str, world: int, out: str, memory: bool
+) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for rank in range(world_size):
-        env = dict(
-            os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-            WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
-        )  # fmt: skip
+    for rank in range(world):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+        if world > 1:
+            env.update(
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+            )  # fmt: skip
         if memory:
-            env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-        command = [sys.executable, __file__, "--rank-of", method, "--size", size, "--into", out]
+            env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        command = [sys.executable, __file__, "--rank-of", method, opt, "--size", size]
+        command += ["--into", out]
         procs.append(subprocess.Popen(command, env=env))
-    for proc in procs:
-        if proc.wait(timeout=1800) != 0:
-            raise RuntimeError(f"{method} on {world_size} ranks failed")
-    return [
-        json.loads(Path(out, f"{method}-{world_size}-{r}.json").read_text())
-        for r in range(world_size)
-    ]
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for proc in procs:
+            if proc.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                raise RuntimeError(f"{method} with {opt} on {world} ranks failed")
+    except subprocess.TimeoutExpired:
+        for proc in procs:  # SIGABRT: faulthandler prints where each rank waited
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGABRT)
+        for proc in procs:
+            proc.wait()
+        raise
+    files = [Path(out, f"{method}-{opt}-{world}-{r}.json") for r in range(world)]
+    return [json.loads(f.read_text()) for f in files]
 
 
 def table(results: dict, size: str) -> str:
     inputs, hidden, batch = SIZES[size]
-    model = build(size)
-    whole = sum(p.numel() * 4 for p in model.parameters())
+    whole = sum(p.numel() * 4 for p in build(size).parameters())
     lines = [
-        "# Sharded DP-SGD: per-rank memory and step time",
+        "# Private steps' memory: one process, data-parallel, sharded",
         "",
         f"MLP {inputs}-{hidden}-{hidden}-{hidden}-10 ({whole / 1e6:.1f} MB of float32 "
-        f"parameters; Adam keeps two more copies), {batch} examples per rank per step, "
-        f"{results['device']}, one thread per rank, {os.cpu_count()} cores. Kept: what a rank "
-        "holds between steps (parameters, optimizer state), counted. Peak: the highest resident "
-        "memory during the timed steps above the level before the model was built, in a run "
-        "with glibc's mmap threshold fixed at 128 KiB (freed tensors leave the resident set). "
-        "Time: in a run with the default allocator, the median "
-        f"of {REPEATS} steps after {WARMUP}. Generated by `bench/sharded.py`.",
+        f"parameters = 1 copy), {batch} examples per rank per step (one process: {2 * batch}, "
+        f"in two micro-batches for dpfunc), {results['device']}, one thread per rank, "
+        f"{os.cpu_count()} cores. Kept: what a rank holds between steps, counted. Peak: kept "
+        "plus the most a step adds to the resident set (glibc's mmap threshold fixed at 64 KiB, "
+        "so freed tensors leave it). Both in copies of the whole parameters, per rank, the "
+        f"largest over the ranks. Time: the median of {REPEATS} steps after {WARMUP}, in a "
+        "run with the default allocator; 4 ranks on 2 cores are oversubscribed (compare their "
+        "memory, not their time). Generated by `bench/sharded.py`.",
         "",
-        "| ranks | method | kept per rank (MB) | kept / whole | peak per rank (MB) | "
-        "step (s) | step / fsdp | step / dpfunc_dp |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ranks | method | optimizer | kept | peak | peak - non-private peak | step (s) | "
+        "step / non-private |",
+        "| ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for world_size, by_method in results["runs"].items():
-        ref = {m: max(r["step_s"] for r in by_method[m]) for m in by_method}
-        for method, ranks in by_method.items():
-            kept = max(r["kept_bytes"] for r in ranks)
-            peak = max(r["peak_bytes"] for r in ranks)
-            step_s = max(r["step_s"] for r in ranks)
-            lines.append(
-                f"| {world_size} | {method} | {kept / 1e6:.1f} | {kept / (3 * whole):.2f} | "
-                f"{peak / 1e6:.0f} | {step_s:.3f} | {step_s / ref['fsdp']:.2f}x | "
-                f"{step_s / ref['dpfunc_dp']:.2f}x |"
-            )
+    rows = {(r["method"], r["optimizer"], r["world_size"]): r for r in results["runs"]}
+    for (method, opt, world), r in rows.items():
+        ref = rows.get((REFERENCE.get(method, method), opt, world))
+        kept, peak = r["kept_bytes"] / whole, (r["kept_bytes"] + r["extra_bytes"]) / whole
+        ref_peak = (ref["kept_bytes"] + ref["extra_bytes"]) / whole
+        lines.append(
+            f"| {world} | {method} | {opt} | {kept:.2f} | {peak:.2f} | {peak - ref_peak:+.2f} | "
+            f"{r['step_s']:.3f} | {r['step_s'] / ref['step_s']:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", nargs="*", default=None, help="methods to run (default: all)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent))
-    parser.add_argument("--rank-of", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--rank-of", nargs=2, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", default="full", help=argparse.SUPPRESS)
     parser.add_argument("--into", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_of is not None:
-        run_rank(args.rank_of, args.size, args.into)
+        run_rank(*args.rank_of, args.size, args.into)
         return
     size = "quick" if args.quick else "full"
-    results = {"size": size, "sizes": SIZES[size], "device": "CPU (gloo)", "runs": {}}
-    with tempfile.TemporaryDirectory() as scratch:
-        for world_size in WORLD_SIZES:
-            by_method = {}
-            for method in METHODS:
-                timed = launch(method, size, world_size, scratch, memory=False)
-                measured = launch(method, size, world_size, scratch, memory=True)
-                for t, m in zip(timed, measured):
-                    t["peak_bytes"] = m["peak_bytes"]  # from the run with the fixed threshold
-                by_method[method] = timed
-            results["runs"][world_size] = by_method
+    device = "CUDA (NCCL)" if torch.cuda.device_count() >= 4 else "CPU (gloo)"
     name = "sharded_quick" if args.quick else "sharded"
-    Path(args.out, f"{name}.json").write_text(json.dumps(results, indent=1))
-    Path(args.out, f"{name}.md").write_text(table(results, size))
-    print(table(results, size))
+    path = Path(args.out, f"{name}.json")
+    results = {"size": size, "sizes": SIZES[size], "device": device, "runs": []}
+    if args.only and path.exists():  # the other rows are kept from the last run
+        results = json.loads(path.read_text())
+    wanted = [(m, o, w) for m, worlds in RUNS for o in OPTIMIZERS for w in worlds
+              if not args.only or m in args.only]  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        for method, opt, world in wanted:
+            timed = launch(method, opt, size, world, scratch, memory=False)
+            measured = launch(method, opt, size, world, scratch, memory=True)
+            row = {
+                "method": method, "optimizer": opt, "world_size": world,
+                "kept_bytes": max(r["kept_bytes"] for r in measured),
+                "extra_bytes": max(r["extra_bytes"] for r in measured),
+                "step_s": max(r["step_s"] for r in timed),
+            }  # fmt: skip
+            results["runs"] = [r for r in results["runs"] if _key(r) != _key(row)] + [row]
+            path.write_text(json.dumps(results, indent=1))  # after every row: a crash keeps them
+            print(row, flush=True)
+    order = [(m, o, w) for m, worlds in RUNS for o in OPTIMIZERS for w in worlds]
+    if {_key(r) for r in results["runs"]} >= set(order):
+        results["runs"].sort(key=lambda r: order.index(_key(r)))
+        Path(args.out, f"{name}.md").write_text(table(results, size))
+        print(table(results, size))
 
+
+def _key(row: dict) -> tuple[str, str, int]:
+    return row["method"], row["optimizer"], row["world_size"]
 
 if __name__ == "__main__":
     main()

@@ -538,19 +538,52 @@ def noisy_average(
         expected_batch_size: the denominator, > 0.
         params: the parameters (their dtypes only).
     """
+    return _noisy_average(summed, noise, std, expected_batch_size, params, in_place=False)
+
+
+def noisy_average_(
+    summed: Params, noise: Params, std: float | Tensor, expected_batch_size: float, params: Params
+) -> Params:
+    """:func:`noisy_average` written into ``summed``, for a caller that owns the sum.
+
+    The same operations and bits; eagerly, each leaf of ``summed`` that
+    already has the result's dtype holds the result (no second copy of the
+    sum), and the others, and every leaf in a compiled graph, get new
+    tensors as :func:`noisy_average` gives them. ``summed`` must be read
+    by nothing else afterwards: the step passes its own clipped sum.
+    """
+    in_place = not torch.compiler.is_compiling()
+    return _noisy_average(summed, noise, std, expected_batch_size, params, in_place=in_place)
+
+
+def _noisy_average(
+    summed: Params,
+    noise: Params,
+    std: float | Tensor,
+    expected_batch_size: float,
+    params: Params,
+    *,
+    in_place: bool,
+) -> Params:
     check_expected_batch_size(expected_batch_size)
     compiling = torch.compiler.is_compiling()
 
     def leaf(s: Tensor, z: Tensor, p: Tensor) -> Tensor:
         out = torch.float64 if p.dtype == torch.float64 else torch.float32
+        into = in_place and s.dtype == out  # in place where no cast follows (and none precedes)
         if s.dtype != torch.float64 and z.dtype != torch.float64:  # float32 throughout
             if _fused_add(std):
-                return torch.add(s, z, alpha=std).div_(expected_batch_size).to(out)
+                noised = s.add_(z, alpha=std) if into else torch.add(s, z, alpha=std)
+                return noised.div_(expected_batch_size).to(out)
+            if into:
+                return s.add_(std * z).div_(expected_batch_size)
             return ((s + std * z) / expected_batch_size).to(out)
         if compiling:
             return ((s + std * z) / expected_batch_size).to(out)
         # std * z at z's precision (as add_noise), widened exactly; then s + w and / B in float64
         w = torch.mul(z, std, out=torch.empty(z.shape, dtype=torch.float64, device=z.device))
+        if into and s.dtype == torch.float64:  # s + w is w + s: the same rounding, in float64
+            return s.add_(w).div_(expected_batch_size)
         w.add_(s)
         if out == torch.float64:
             return w.div_(expected_batch_size)

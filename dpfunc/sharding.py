@@ -88,6 +88,12 @@ def require_fsdp2(what: str) -> None:
         ) from error
 
 
+#: A parameter of this many bytes or more is gathered by its own all-gather, into the
+#: tensor the step uses (no copy out of a shared buffer), and its clipped sum reduced by
+#: its own reduce-scatter, from the sum itself; smaller ones share one of each, through
+#: copies. 1 MiB: a model's matrices alone, its biases and norms together.
+GATHER_ALONE_BYTES = 2**20
+
 # flat-tensor collectives: their newer names where this torch has them
 _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _NATIVE_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -172,21 +178,28 @@ class Sharding:
             )
 
     def unshard(self, shards: Params) -> Params:
-        """The whole parameters from every rank's rows: one all-gather per (dtype, device).
+        """The whole parameters from every rank's rows, each as one tensor (no second copy).
 
+        A leaf of :data:`GATHER_ALONE_BYTES` or more is all-gathered on its
+        own, straight into the tensor it is returned as; the smaller ones
+        share one all-gather per (dtype, device) and are copied out of it.
         Collective (raw: :mod:`dpfunc.distributed` names its failures). The
         result is the same on every rank, bit for bit.
         """
         self.check(shards, whole=False)
         leaves = tree_leaves(shards)
         whole: list[Tensor | None] = [None] * len(leaves)
-        for positions in _buckets(leaves).values():
+        for positions in self._gathers(leaves):
             sizes = [self.chunks[i] * self.row_sizes[i] for i in positions]
-            send = leaves[positions[0]].new_zeros(sum(sizes))  # this rank's rows, zero-padded
-            offset = 0
-            for i, size in zip(positions, sizes):
-                send[offset : offset + leaves[i].numel()] = leaves[i].reshape(-1)
-                offset += size
+            mine = leaves[positions[0]]
+            if len(positions) == 1 and mine.is_contiguous() and mine.numel() == sizes[0]:
+                send = mine.view(-1)  # this rank's rows as they are (all-gather only reads them)
+            else:
+                send = mine.new_zeros(sum(sizes))  # this rank's rows, zero-padded
+                offset = 0
+                for i, size in zip(positions, sizes):
+                    send[offset : offset + leaves[i].numel()] = leaves[i].reshape(-1)
+                    offset += size
             out = send.new_empty(self.world_size * send.numel())
             _ALL_GATHER(out, send)
             by_rank = out.view(self.world_size, -1)
@@ -198,7 +211,15 @@ class Sharding:
         return self.treedef.unflatten(whole)
 
     def reduce_scatter(self, summed: Params) -> Params:
-        """This rank's rows of ``summed`` summed over the ranks: one reduce-scatter per dtype.
+        """This rank's rows of ``summed`` summed over the ranks.
+
+        Grouped as :meth:`unshard` gathers: a leaf of
+        :data:`GATHER_ALONE_BYTES` or more is reduced on its own, and when
+        its rows are whole chunks it is sent as it is (its rows are already
+        rank by rank), with no second copy of the sum; the smaller leaves
+        share one zero-padded buffer per (dtype, device). On gloo the send
+        buffer is all-reduced in place (:func:`_reduce_scatter`), so
+        ``summed`` is the caller's to give up: the step passes its own sum.
 
         Collective (raw, as :meth:`unshard`); ``summed`` is each rank's whole
         tree (a clipped sum, float32 within FLOAT32_SUMS).
@@ -206,19 +227,26 @@ class Sharding:
         self.check(summed, whole=True, what="summed")
         leaves = tree_leaves(summed)
         mine: list[Tensor | None] = [None] * len(leaves)
-        for positions in _buckets(leaves).values():
+        for positions in self._gathers(leaves):
             sizes = [self.chunks[i] * self.row_sizes[i] for i in positions]
-            # rank r's chunk of the buffer: its rows of every leaf, zero-padded; written in
-            # place, one copy of the sum
-            send = leaves[positions[0]].new_zeros(self.world_size, sum(sizes))
-            offset = 0
-            for i, size in zip(positions, sizes):
-                as_rows = leaves[i].reshape(self.row_counts[i], -1)
-                for rank in range(self.world_size):
-                    start, stop = self.rows(i, rank)
-                    width = (stop - start) * self.row_sizes[i]
-                    send[rank, offset : offset + width] = as_rows[start:stop].reshape(-1)
-                offset += size
+            first = leaves[positions[0]]
+            if (
+                len(positions) == 1
+                and first.is_contiguous()
+                and first.numel() == self.world_size * sizes[0]
+            ):
+                send = first.view(-1)  # rank r's rows are its chunk already
+            else:
+                # rank r's chunk of the buffer: its rows of every leaf, zero-padded
+                send = first.new_zeros(self.world_size, sum(sizes))
+                offset = 0
+                for i, size in zip(positions, sizes):
+                    as_rows = leaves[i].reshape(self.row_counts[i], -1)
+                    for rank in range(self.world_size):
+                        start, stop = self.rows(i, rank)
+                        width = (stop - start) * self.row_sizes[i]
+                        send[rank, offset : offset + width] = as_rows[start:stop].reshape(-1)
+                    offset += size
             out = send.new_empty(sum(sizes))
             _reduce_scatter(out, send.view(-1))
             del send
@@ -228,6 +256,21 @@ class Sharding:
                 mine[i] = out[offset : offset + math.prod(shape)].view(shape)
                 offset += size
         return self.treedef.unflatten(mine)
+
+    def _gathers(self, leaves: list[Tensor]) -> list[list[int]]:
+        """The leaves one collective of :meth:`unshard` or :meth:`reduce_scatter` moves: each
+        large one alone, the rest together by (dtype, device)."""
+        gathers = []
+        for positions in _buckets(leaves).values():
+            alone = [
+                i
+                for i in positions
+                if self.world_size * self.chunks[i] * self.row_sizes[i] * leaves[i].element_size()
+                >= GATHER_ALONE_BYTES
+            ]
+            small = [i for i in positions if i not in alone]
+            gathers += [[i] for i in alone] + ([small] if small else [])
+        return gathers
 
 
 class DrawnNoise:

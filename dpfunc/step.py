@@ -63,9 +63,9 @@ from ._compiling import compile_fullgraph
 from .clipper import ExampleStats, make_clipper, summarize
 from .clipping import FLOAT32_SUMS, ClipState, UnclippedCount, accumulation_dtype, unclipped_count
 from .config import DPConfig, SpeedConfig, settings_from
-from .noise import NoiseState, noisy_average, standard_normal_like
+from .noise import NoiseState, noisy_average_, standard_normal_like
 from .per_sample import LossFn, explain_example_error
-from .tree import Params, PyTree, check_same_structure, tree_add, tree_map
+from .tree import Params, PyTree, check_same_structure, tree_leaves, tree_map
 
 SUM_DTYPE = torch.float64  # a running clipped sum past the float32 bound
 
@@ -240,7 +240,7 @@ class TrainStep:
         self.noise_mechanism = config.noise_mechanism()
         self.clip_mechanism = config.clip_mechanism()
         # the local pieces between the collectives, which compile() compiles
-        self._sum, self._update, self._release = self._accumulate, self._apply, self._private
+        self._sum, self._update, self._release = self._micro_sum, self._apply, self._private
         if speed.compile:
             self.compile()
 
@@ -317,6 +317,7 @@ class TrainStep:
         self._check(state, noise, count_noise)
         summed, stats, count = self._clipped_sum(state, [(batch, mask)], None, count_noise)
         reduced = self.collectives.reduce(summed, state.step)
+        del summed  # distributed: this rank's own sum, not held through the update
         return self._update(state, reduced, noise, count), summarize(stats)
 
     def logical_step(
@@ -365,6 +366,7 @@ class TrainStep:
                 state, micro_batches, before_release, noise.count
             )
             reduced = self.collectives.reduce(summed, state.step)
+            del summed  # distributed: this rank's own sum, not held through the update
             return self._update(state, reduced, noise.params, count), stats
 
     def logical_gradient(
@@ -390,6 +392,7 @@ class TrainStep:
                 state, micro_batches, before_release, noise.count
             )
             reduced = self.collectives.reduce(summed, state.step)
+            del summed  # distributed: this rank's own sum, not held through the noise
             private, clip_state, noise_state = self._release(state, reduced, noise.params, count)
         state = state._replace(step=state.step + 1, clip_state=clip_state, noise_state=noise_state)
         return private, state, stats
@@ -404,7 +407,7 @@ class TrainStep:
         call (:func:`dpfunc._compiling.compile_fullgraph`); the collectives
         between them run eagerly. The results are the same as eager ones.
         """
-        self._sum = compile_fullgraph(self._accumulate)
+        self._sum = compile_fullgraph(self._micro_sum)
         self._update = compile_fullgraph(self._apply)
         self._release = compile_fullgraph(self._private)
         return self
@@ -500,12 +503,19 @@ class TrainStep:
         float32 = self._float32_micro_batches()
         clip_norm = (state.clip_state.clip_norm,) if self.adaptive else ()  # the one it follows
         params = self.full_params(state)  # sharded: gathered once for all micro-batches
-        summed, stats = _zeros(params, wide=float32 < 1), []
+        summed, stats = None, []
         for i, (batch, mask) in enumerate(micro_batches):
+            micro, part = self._add(params, batch, mask, clip_norm)
+            stats.append(part)
+            if summed is None:  # the first sum starts the running one (no zeros to add it to)
+                summed = micro if i < float32 else tree_map(lambda m: m.to(SUM_DTYPE), micro)
+                continue
             if i == float32:  # past the float32 sums the margin covers: the rest in float64
                 summed = tree_map(lambda s: s.to(SUM_DTYPE), summed)
-            summed, part = self._add(summed, params, batch, mask, clip_norm)
-            stats.append(part)
+            summed = _add_into(summed, micro)
+            del micro  # freed before the next micro-batch's sum is formed
+        if summed is None:  # an empty logical batch: its sum is zero (and its noise is added)
+            summed = _zeros(params, wide=float32 < 1)
         if float32 > 0:  # rounded once if it went on in float64 (the margin counts it)
             summed = tree_map(lambda s, p: s.to(accumulation_dtype(p.dtype)), summed, params)
         stats = ExampleStats.cat(stats) if stats else ExampleStats.empty(state.params)
@@ -519,13 +529,13 @@ class TrainStep:
         return summed, stats, UnclippedCount(count, count_noise)
 
     def _add(
-        self, summed: Params, params: Params, batch: PyTree, mask: Tensor, clip_norm: tuple
+        self, params: Params, batch: PyTree, mask: Tensor, clip_norm: tuple
     ) -> tuple[Params, ExampleStats]:
-        """:meth:`_accumulate` (compiled after :meth:`compile`), its failures explained."""
+        """:meth:`_micro_sum` (compiled after :meth:`compile`), its failures explained."""
         if torch.compiler.is_compiling():
-            return self._sum(summed, params, batch, mask, *clip_norm)
+            return self._sum(params, batch, mask, *clip_norm)
         try:
-            return self._sum(summed, params, batch, mask, *clip_norm)
+            return self._sum(params, batch, mask, *clip_norm)
         except Exception as error:  # compiled: explained here (eagerly: in clip)
             raise explain_example_error(self.loss_fn, params, batch, mask, error)  # noqa: B904
 
@@ -535,17 +545,15 @@ class TrainStep:
         distributed = self.collectives.distributed and torch.distributed.is_initialized()
         return FLOAT32_SUMS - (torch.distributed.get_world_size() if distributed else 1)
 
-    def _accumulate(
+    def _micro_sum(
         self,
-        summed: Params,
         params: Params,
         batch: PyTree,
         mask: Tensor | None,
         clip_norm: Tensor | None = None,
     ) -> tuple[Params, ExampleStats]:
-        """Adds one micro-batch's clipped sum (padding rows left out, eagerly) to ``summed``."""
-        micro, stats = self.clip(params, batch, mask, clip_norm, skip_padding=True)
-        return tree_add(summed, micro), stats
+        """One micro-batch's clipped sum (padding rows left out, eagerly) and its stats."""
+        return self.clip(params, batch, mask, clip_norm, skip_padding=True)
 
     def _apply(
         self, state: TrainState, summed: Params, noise: Params, count: UnclippedCount | None = None
@@ -573,7 +581,8 @@ class TrainStep:
         ``count_noise_multiplier * count.noise``). Nothing here reads the data
         beyond ``summed`` and ``count``. Noise, average and the cast to each
         parameter's accumulation dtype are one fused pass per leaf
-        (:func:`dpfunc.noise.noisy_average`): every rounding comes after the
+        (:func:`dpfunc.noise.noisy_average_`, written into ``summed``, the
+        step's own sum): every rounding comes after the
         noise, a post-processing.
         """
         # adaptive clipping: this step's noise follows the clip norm it clipped at
@@ -581,7 +590,7 @@ class TrainStep:
             self.noise_multiplier * state.clip_state.clip_norm if self.adaptive else self.noise_std
         )
         w, noise_state = self.noise_mechanism.update(noise, state.noise_state, state.params)
-        private = noisy_average(summed, w, std, self.expected_batch_size, state.params)
+        private = noisy_average_(summed, w, std, self.expected_batch_size, state.params)
         _, clip_state = self.clip_mechanism.update(count, state.clip_state, state.params)
         return private, clip_state, noise_state
 
@@ -681,6 +690,14 @@ def _refuse_resized(before: dict[str, torch.Size], now: dict[str, torch.Size]) -
         f"the model's parameters changed since the previous step: {sorted(before)[:5]} -> "
         f"{sorted(now)[:5]}; build PrivateGradients and the optimizer again"
     )
+
+
+def _add_into(summed: Params, micro: Params) -> Params:
+    """``summed + micro`` written into ``summed``, the step's own running sum (its first
+    micro-batch's sum, or a widened copy): no second copy of the sum is held."""
+    for s, m in zip(tree_leaves(summed), tree_leaves(micro)):
+        s.add_(m)
+    return summed
 
 
 def _zeros(params: Params, *, wide: bool) -> Params:

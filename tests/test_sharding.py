@@ -180,6 +180,14 @@ def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
                     "noise_state": state_bytes(state.noise_state.history),
                 },
             }
+    # each weight gathered and reduced by its own collective (as large layers are), biases together
+    alone, dpfunc.sharding.GATHER_ALONE_BYTES = dpfunc.sharding.GATHER_ALONE_BYTES, 64
+    try:
+        step, state = run_steps("mlp", "plain", make, rank, world_size, shard=True)
+        gathers = step.collectives.layout()._gathers(dpfunc.tree.tree_leaves(state.params))
+        result["alone"] = {"params": step.full_params(state), "gathers": gathers}
+    finally:
+        dpfunc.sharding.GATHER_ALONE_BYTES = alone
     result["one_call"] = one_call_steps(rank, world_size, shard=True)
     result["private"] = private_run(rank, shard=True)
     result["users"] = private_run(rank, shard=True, **USERS)
@@ -308,6 +316,19 @@ def test_sharded_steps_equal_one_process(runs, world_size, kind):
             assert not torch.equal(value, problem(kind)[2][name])  # it trained
             rows = torch.cat([r[kind, config]["rows"][name].reshape(-1) for r in ranks])
             assert torch.equal(rows, got[0].reshape(-1))  # the rows are the parameter, cut
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parameters_gathered_and_reduced_alone_or_together_agree(runs, world_size):
+    for r in runs[1][world_size]:
+        # leaves in key order (0.bias, 0.weight, 2.bias, 2.weight): the weights alone, biases shared
+        assert r["alone"]["gathers"] == [[1], [3], [0, 2]]
+        for name, value in r["alone"]["params"].items():
+            together = r["mlp", "plain"]["params"][name]
+            if world_size == 2:  # a + b either way: the same bits
+                assert torch.equal(value, together), name
+            else:  # gloo's ring adds 3+ ranks in an order that follows a value's place
+                torch.testing.assert_close(value, together, rtol=0, atol=2e-6, msg=name)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
