@@ -48,6 +48,7 @@ once after the average: a post-processing of the noisy sum.
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from collections.abc import Callable, Iterable
@@ -241,6 +242,8 @@ class TrainStep:
         self.clip_mechanism = config.clip_mechanism()
         # the local pieces between the collectives, which compile() compiles
         self._sum, self._update, self._release = self._micro_sum, self._apply, self._private
+        # compile() on one process: a logical batch of one micro-batch as one graph
+        self._whole: Callable | None = None
         if speed.compile:
             self.compile()
 
@@ -315,6 +318,9 @@ class TrainStep:
         :meth:`compile` it runs the compiled pieces.
         """
         self._check(state, noise, count_noise)
+        if self._whole is not None:
+            state, stats = self._one_graph(state, batch, mask, noise, count_noise)
+            return state, summarize(stats)
         summed, stats, count = self._clipped_sum(state, [(batch, mask)], None, count_noise)
         reduced = self.collectives.reduce(summed, state.step)
         del summed  # distributed: this rank's own sum, not held through the update
@@ -362,6 +368,13 @@ class TrainStep:
         """
         self._check(state, noise.params, noise.count)
         with _outside_inference_mode():
+            if self._whole is not None:
+                micro_batches, alone = _only(micro_batches)
+                if alone is not None:  # one graph; nothing is returned before before_release
+                    new_state, stats = self._one_graph(state, *alone, noise.params, noise.count)
+                    if before_release is not None:
+                        before_release(stats)
+                    return new_state, stats
             summed, stats, count = self._clipped_sum(
                 state, micro_batches, before_release, noise.count
             )
@@ -405,11 +418,19 @@ class TrainStep:
         ``torch.compile(fullgraph=True)``, with Dynamo's RNN support on and
         logging calls in traced code left out, in a scope that ends with each
         call (:func:`dpfunc._compiling.compile_fullgraph`); the collectives
-        between them run eagerly. The results are the same as eager ones.
+        between them run eagerly. On one process a logical batch held in one
+        micro-batch (``step(...)``, and :meth:`logical_step` on one) is one
+        graph instead, sum to update, as ``torch.compile(step,
+        fullgraph=True)`` traces it; :meth:`logical_step` calls
+        ``before_release`` after that graph and before it returns anything,
+        so raising there still releases nothing. The results are the same as
+        eager ones.
         """
         self._sum = compile_fullgraph(self._micro_sum)
         self._update = compile_fullgraph(self._apply)
         self._release = compile_fullgraph(self._private)
+        if not self.collectives.distributed:
+            self._whole = compile_fullgraph(self._local_step)
         return self
 
     def explain(self, params: Params, batch: PyTree) -> dict[str, str]:
@@ -481,12 +502,34 @@ class TrainStep:
             )
         self.collectives.check_noise(noise, state.step)  # sharded: drawn for these rows
 
+    def _one_graph(
+        self, state: TrainState, batch: PyTree, mask: Tensor | None, noise: Params, count_noise
+    ) -> tuple[TrainState, ExampleStats]:
+        """:meth:`_local_step`, compiled (:meth:`compile`), its failures explained."""
+        if torch.compiler.is_compiling():
+            return self._local_step(state, batch, mask, noise, count_noise)
+        try:
+            return self._whole(state, batch, mask, noise, count_noise)
+        except Exception as error:  # explained as the pieces' are
+            raise explain_example_error(self.loss_fn, state.params, batch, mask, error)  # noqa: B904
+
+    def _local_step(
+        self, state: TrainState, batch: PyTree, mask: Tensor | None, noise: Params, count_noise
+    ) -> tuple[TrainState, ExampleStats]:
+        """A one-process step on one micro-batch, from the uncompiled pieces: its new state
+        and stats (what :meth:`compile` compiles as one graph)."""
+        summed, stats, count = self._clipped_sum(
+            state, [(batch, mask)], None, count_noise, add=self._micro_sum
+        )
+        return self._apply(state, summed, noise, count), stats
+
     def _clipped_sum(
         self,
         state: TrainState,
         micro_batches: Iterable[tuple[PyTree, Tensor]],
         before_release: Callable[[ExampleStats], None] | None,
         count_noise: Tensor | None,
+        add: Callable[..., tuple[Params, ExampleStats]] | None = None,
     ) -> tuple[Params, ExampleStats, UnclippedCount | None]:
         """This rank's clipped sum, all ranks' stats, and adaptive clipping's count.
 
@@ -499,13 +542,16 @@ class TrainStep:
         longer logical batch adds the rest in float64 and rounds the total
         once, back to float32, so every rank hands the reduction the same
         dtype. With ``FLOAT32_SUMS`` ranks or more it is float64 throughout.
+        ``add(params, batch, mask, *clip_norm)`` forms a micro-batch's sum
+        (default :meth:`_add`).
         """
+        add = self._add if add is None else add
         float32 = self._float32_micro_batches()
         clip_norm = (state.clip_state.clip_norm,) if self.adaptive else ()  # the one it follows
         params = self.full_params(state)  # sharded: gathered once for all micro-batches
         summed, stats = None, []
         for i, (batch, mask) in enumerate(micro_batches):
-            micro, part = self._add(params, batch, mask, clip_norm)
+            micro, part = add(params, batch, mask, *clip_norm)
             stats.append(part)
             if summed is None:  # the first sum starts the running one (no zeros to add it to)
                 summed = micro if i < float32 else tree_map(lambda m: m.to(SUM_DTYPE), micro)
@@ -529,7 +575,7 @@ class TrainStep:
         return summed, stats, UnclippedCount(count, count_noise)
 
     def _add(
-        self, params: Params, batch: PyTree, mask: Tensor, clip_norm: tuple
+        self, params: Params, batch: PyTree, mask: Tensor, *clip_norm: Tensor
     ) -> tuple[Params, ExampleStats]:
         """:meth:`_micro_sum` (compiled after :meth:`compile`), its failures explained."""
         if torch.compiler.is_compiling():
@@ -690,6 +736,16 @@ def _refuse_resized(before: dict[str, torch.Size], now: dict[str, torch.Size]) -
         f"the model's parameters changed since the previous step: {sorted(before)[:5]} -> "
         f"{sorted(now)[:5]}; build PrivateGradients and the optimizer again"
     )
+
+
+def _only(items: Iterable[Any]) -> tuple[Iterable[Any], Any]:
+    """``(items, its one element)`` if ``items`` holds exactly one, else ``(items, None)``;
+    the items returned are all of them, whether or not they were read to tell."""
+    if isinstance(items, list | tuple):
+        return items, (items[0] if len(items) == 1 else None)
+    iterator = iter(items)
+    head = list(itertools.islice(iterator, 2))
+    return itertools.chain(head, iterator), (head[0] if len(head) == 1 else None)
 
 
 def _add_into(summed: Params, micro: Params) -> Params:

@@ -93,8 +93,8 @@ def test_a_steps_compile_compiles_each_piece_the_dpfunc_way(monkeypatch):
         loss_fn, dpfunc.optim.sgd(lr=0.5), clip_norm=0.5, noise_multiplier=1.0,
         expected_batch_size=8, model=model,
     ).compile()  # fmt: skip
-    assert [fn.__name__ for fn in wrapped] == ["_accumulate", "_apply", "_private"]
-    assert (step._sum, step._update, step._release) == tuple(wrapped)
+    assert [fn.__name__ for fn in wrapped] == ["_micro_sum", "_apply", "_private", "_local_step"]
+    assert (step._sum, step._update, step._release, step._whole) == tuple(wrapped)
 
 
 def test_a_float64_scalar_argument_traces_once_and_reaches_fn_as_passed(monkeypatch):
@@ -173,11 +173,43 @@ def test_a_plain_torch_compile_of_a_step_traces_it_once(monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_steps_compiled_pieces_trace_once_each(monkeypatch):
+def test_a_steps_compiled_graphs_trace_once_each(monkeypatch):
     traced = _traces(monkeypatch)
     step, state, batch, noise = _mlp_step()
     step.compile()
-    for t in range(2):  # the second step reuses both graphs
-        state, _ = step.logical_step(state, [(batch, torch.ones(8))], noise)
-        assert len(traced) == 2, t  # the micro-batch sum and the update, once each
+    eager_step, eager, _, _ = _mlp_step()
+    halves = [((batch[0][h], batch[1][h]), torch.ones(4)) for h in (slice(0, 4), slice(4, 8))]
+    for t in range(2):  # the second step reuses every graph
+        state, stats = step.logical_step(state, iter([(batch, torch.ones(8))]), noise)
+        assert len(traced) == 1, t  # one micro-batch on one process: one graph, sum to update
+        assert stats.mask.shape == (8,)
+    for t in range(2):
+        state, _ = step.logical_step(state, iter(halves), noise)  # both halves summed
+        assert len(traced) == 3, t  # more: each micro-batch's sum, and the update
+    for _ in range(2):
+        eager, _ = eager_step.logical_step(eager, [(batch, torch.ones(8))], noise)
+    for _ in range(2):
+        eager, _ = eager_step.logical_step(eager, halves, noise)
+    for k in eager.params:
+        torch.testing.assert_close(state.params[k], eager.params[k], rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_one_graph_releases_nothing_when_before_release_raises(monkeypatch):
+    _traces(monkeypatch)
+    step, state, batch, noise = _mlp_step()
+    step.compile()
+    seen = []
+
+    def refuse(stats):
+        seen.append(stats)
+        raise FloatingPointError("refused")
+
+    before = {k: v.clone() for k, v in state.params.items()}
+    with pytest.raises(FloatingPointError, match="refused"):
+        step.logical_step(state, [(batch, torch.ones(8))], noise, before_release=refuse)
+    assert len(seen) == 1 and seen[0].mask.shape == (8,)  # the whole logical batch's stats
+    for k, v in before.items():  # the caller's state is as it was
+        assert torch.equal(state.params[k], v)
     torch._dynamo.reset()
