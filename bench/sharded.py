@@ -374,5 +374,6 @@ def main() -> None:
 def _key(row: dict) -> tuple[str, str, int]:
     return row["method"], row["optimizer"], row["world_size"]
 
+
 if __name__ == "__main__":
     main()

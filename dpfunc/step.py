@@ -44,6 +44,12 @@ sum the noise is added to has norm at most ``clip_norm``, rounding included.
 The noise, the average and the rounding to the parameters' accumulation
 dtype are one pass per leaf (:func:`dpfunc.noise.noisy_average`), rounded
 once after the average: a post-processing of the noisy sum.
+
+Memory. The running sum is the first micro-batch's sum, the others added
+into it; the noisy average is written into it (eagerly: the step owns it),
+and a rank's own sum is let go once the ranks' sums are combined. The
+optimizer's update is pure: old and new parameters and optimizer state
+are alive together at its end (``bench/sharded.md``).
 """
 
 from __future__ import annotations
@@ -315,7 +321,8 @@ class TrainStep:
         Distributed, the metrics and adaptive clipping's count cover the
         whole logical batch (all ranks' stats). Pure on one process;
         ``torch.compile(step, fullgraph=True)`` compiles it, and after
-        :meth:`compile` it runs the compiled pieces.
+        :meth:`compile` it runs one compiled graph on one process (the
+        compiled pieces, distributed).
         """
         self._check(state, noise, count_noise)
         if self._whole is not None:
