@@ -262,14 +262,15 @@ class Sharding:
         large one alone, the rest together by (dtype, device)."""
         gathers = []
         for positions in _buckets(leaves).values():
-            alone = [
-                i
-                for i in positions
-                if self.world_size * self.chunks[i] * self.row_sizes[i] * leaves[i].element_size()
-                >= GATHER_ALONE_BYTES
-            ]
-            small = [i for i in positions if i not in alone]
-            gathers += [[i] for i in alone] + ([small] if small else [])
+            small = []
+            for i in positions:
+                whole = self.world_size * self.chunks[i] * self.row_sizes[i]
+                if whole * leaves[i].element_size() >= GATHER_ALONE_BYTES:
+                    gathers.append([i])
+                else:
+                    small.append(i)
+            if small:
+                gathers.append(small)
         return gathers
 
 

@@ -395,6 +395,34 @@ def test_noisy_average_equals_add_noise_then_average():
             assert torch.equal(wide[k], oracle[k].to(wide[k].dtype))
 
 
+def test_noisy_average_in_place_gives_the_same_bits_into_the_sum_it_owns():
+    g = torch.Generator().manual_seed(5)
+    params = {"a": torch.zeros(1000), "b": torch.zeros(7, dtype=torch.float64),
+              "h": torch.zeros(30, dtype=torch.bfloat16), "w": torch.zeros(40)}  # fmt: skip
+    sums = {
+        "a": torch.randn(1000, generator=g),
+        "b": torch.randn(7, generator=g).double(),
+        "h": torch.randn(30, generator=g),
+        "w": torch.randn(40, generator=g).double(),
+    }  # fmt: skip  (a wide sum, float32 out)
+    for secure in (False, True):  # float32 noise for the float32 leaves, or float64 everywhere
+        z = {k: torch.randn(v.shape, generator=g, dtype=torch.float64 if secure else v.dtype)
+             for k, v in sums.items()}  # fmt: skip
+        for std in (1.3, torch.tensor(0.7, dtype=torch.float64)):
+            owned = {k: v.clone() for k, v in sums.items()}
+            expected = dpfunc.noise.noisy_average(sums, z, std, 3.0, params)
+            got = dpfunc.noise.noisy_average_(owned, z, std, 3.0, params)
+            for k, v in expected.items():
+                assert got[k].dtype == v.dtype and torch.equal(got[k], v), (secure, std, k)
+            # written into the sum where it has the result's dtype and no float64 noise is
+            # added to a float32 sum (that one is added in float64 and rounded once)
+            into = {"a": not secure, "b": True, "h": not secure, "w": False}
+            for k, inside in into.items():
+                assert (got[k].data_ptr() == owned[k].data_ptr()) == inside, (secure, k)
+                if not inside:  # left as it was
+                    assert torch.equal(owned[k], sums[k]), (secure, k)
+
+
 def test_secure_noise_on_a_float32_sum_is_added_in_float64_and_rounded_once():
     """logical_step's float32 sum with the float64 secure draw equals the float64 definition:
     the noise added to the (exact) sum in float64, averaged, and only then rounded."""

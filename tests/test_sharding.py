@@ -186,6 +186,13 @@ def equal_worker(rank: int, world_size: int, outdir: str) -> dict:
         step, state = run_steps("mlp", "plain", make, rank, world_size, shard=True)
         gathers = step.collectives.layout()._gathers(dpfunc.tree.tree_leaves(state.params))
         result["alone"] = {"params": step.full_params(state), "gathers": gathers}
+        # rows that divide evenly (sent as they are), rows that do not (padded), a small leaf
+        base = {"even": torch.arange(24.0).view(8, 3), "odd": torch.arange(18.0).view(9, 2),
+                "small": torch.arange(3.0)}  # fmt: skip
+        layout = Sharding(base, rank, world_size)
+        mine = layout.reduce_scatter({k: v * (rank + 1) for k, v in base.items()})
+        result["alone"] |= {"reduced": layout.unshard(mine), "layout_gathers": layout._gathers(
+            dpfunc.tree.tree_leaves(base))}  # fmt: skip
     finally:
         dpfunc.sharding.GATHER_ALONE_BYTES = alone
     result["one_call"] = one_call_steps(rank, world_size, shard=True)
@@ -329,6 +336,13 @@ def test_parameters_gathered_and_reduced_alone_or_together_agree(runs, world_siz
                 assert torch.equal(value, together), name
             else:  # gloo's ring adds 3+ ranks in an order that follows a value's place
                 torch.testing.assert_close(value, together, rtol=0, atol=2e-6, msg=name)
+        # even, odd, small (key order): the two 8- and 9-row leaves alone, the small one shared
+        assert r["alone"]["layout_gathers"] == [[0], [1], [2]]
+        base = {"even": torch.arange(24.0).view(8, 3), "odd": torch.arange(18.0).view(9, 2),
+                "small": torch.arange(3.0)}  # fmt: skip
+        ranks_sum = world_size * (world_size + 1) // 2  # rank r sent (r + 1) x base
+        for name, value in base.items():
+            assert torch.equal(r["alone"]["reduced"][name], value * ranks_sum), name
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
