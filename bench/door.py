@@ -16,7 +16,12 @@ on bench/hf.py's workloads (``bert_masked``: masked BERT, one loss per example;
   logger), the whole ``step(state, batch, mask, noise)`` one graph;
 - ``door``: ``step.compile()`` (what ``compile=True`` and ``Trainer(compile=True)`` do),
   then ``step(state, batch, mask, noise)``;
-- ``door_before``: the same, importing dpfunc from ``--before`` (an earlier checkout).
+- ``door_before``: the same, importing dpfunc from ``--before`` (an earlier checkout);
+- ``nonprivate_compiled``: the non-private step with its forward and loss under
+  ``torch.compile`` (bench/harness.py's), whose first call is the bound of the DP step's
+  first compile (at most 1.5x).
+
+``--modes`` runs only the modes named and merges them into an existing door.json.
 
 A process times its first call (the compile, from a cold cache) and then the median of
 STEPS steps after WARMUP. Modes alternate, REPEATS times each; the table gives the median
@@ -37,7 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORKLOADS = ("bert_masked", "gpt2_labels")
-MODES = ("nonprivate", "plain", "door")
+MODES = ("nonprivate", "plain", "door", "nonprivate_compiled")
 WARMUP, STEPS, REPEATS = 3, 30, 2
 
 
@@ -54,8 +59,11 @@ def measure(work: str, mode: str) -> dict:
     model, x, y = getattr(hf, work)()
     criterion = hf.ModelLoss() if work == "gpt2_labels" else None
     forward = hf.labels_loss if work == "gpt2_labels" else hf.logits
-    if mode == "nonprivate":
-        step, _ = harness.nonprivate(model, x, y, forward=forward, criterion=criterion)
+    if mode.startswith("nonprivate"):
+        compiled = mode == "nonprivate_compiled"
+        step, _ = harness.nonprivate(
+            model, x, y, compile=compiled, forward=forward, criterion=criterion
+        )
     else:
         step, _ = harness.dpfunc_step(
             model, x, y, "auto", compile=mode == "plain", forward=forward, criterion=criterion
@@ -98,15 +106,18 @@ def table(results: dict) -> str:
         + (f"; door_before: dpfunc at {results['before_code']}." if results.get("before_code")
            else "."),
         "",
-        "| workload | mode | ms / step | x non-private | first call (s) | x plain's first |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| workload | mode | ms / step | x non-private | first call (s) | x plain's first "
+        "| x non-private's first |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]  # fmt: skip
     for work, modes in results["workloads"].items():
         med = {m: statistics.median(r["median_ms"] for r in runs) for m, runs in modes.items()}
         first = {m: statistics.median(r["first_s"] for r in runs) for m, runs in modes.items()}
+        base = first.get("nonprivate_compiled")
         for m in modes:
-            compile_s = "- | -" if m == "nonprivate" else (
-                f"{first[m]:.1f} | {first[m] / first['plain']:.2f}x"
+            compile_s = "- | - | -" if m == "nonprivate" else (
+                f"{first[m]:.1f} | {first[m] / first['plain']:.2f}x | "
+                + (f"{first[m] / base:.2f}x" if base else "-")
             )  # fmt: skip
             ratio = med[m] / med["nonprivate"]
             lines.append(f"| {work} | {m} | {med[m]:.1f} | {ratio:.2f}x | {compile_s} |")
@@ -118,13 +129,19 @@ def main() -> None:
     parser.add_argument("--before", default=None, help="an earlier checkout's root")
     parser.add_argument("--out", default=str(HERE))
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    parser.add_argument("--modes", nargs="*", default=None, help="only these; merged")
     parser.add_argument("--child", nargs=2, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(*args.child)))
         return
     modes = MODES + (("door_before",) if args.before else ())
-    results: dict = {"workloads": {w: {m: [] for m in modes} for w in args.workloads}}
+    results: dict = {"workloads": {w: {} for w in args.workloads}}
+    if args.modes:
+        modes = tuple(args.modes)
+        results = json.loads(Path(args.out, "door.json").read_text())
+    for work in args.workloads:
+        results["workloads"].setdefault(work, {}).update({m: [] for m in modes})
     if args.before:
         code = subprocess.run(["git", "-C", args.before, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True).stdout.strip()  # fmt: skip
