@@ -23,8 +23,10 @@ on bench/hf.py's workloads (``bert_masked``: masked BERT, one loss per example;
 
 ``--modes`` runs only the modes named and merges them into an existing door.json.
 
-A process times its first call (the compile, from a cold cache) and then the median of
-STEPS steps after WARMUP. Modes alternate, REPEATS times each; the table gives the median
+A process times its first call (the compile, from a cold cache), where that call's time
+goes (``torch._dynamo.utils.compilation_time_metrics``, as bench/compile_time.py reads
+them) and how many graphs Dynamo compiled, then the median of STEPS steps after WARMUP.
+Modes alternate, REPEATS times each; the table gives the median
 over the repeats.
 """
 
@@ -44,6 +46,8 @@ HERE = Path(__file__).resolve().parent
 WORKLOADS = ("bert_masked", "gpt2_labels")
 MODES = ("nonprivate", "plain", "door", "nonprivate_compiled")
 WARMUP, STEPS, REPEATS = 3, 30, 2
+PHASE_LABELS = ("Dynamo tracing", "AOTAutograd + Inductor (backend)", "Inductor codegen",
+                "C++ compiles (summed over workers)", "waiting for C++ workers")  # fmt: skip
 
 
 def measure(work: str, mode: str) -> dict:
@@ -70,9 +74,14 @@ def measure(work: str, mode: str) -> dict:
         )
         if mode.startswith("door"):
             step.train_step.compile()
+    from compile_time import PHASES  # where a first call's time goes, as compile_time.py reads it
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
     started = time.perf_counter()
     step()
     first = time.perf_counter() - started
+    phases = {label: sum(compilation_time_metrics.get(key, [])) for label, key in PHASES.items()}
+    graphs = counters["stats"]["unique_graphs"]
     for _ in range(WARMUP):
         step()
     times = []
@@ -80,7 +89,12 @@ def measure(work: str, mode: str) -> dict:
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
-    return {"first_s": first, "median_ms": statistics.median(times) * 1e3}
+    return {
+        "first_s": first,
+        "median_ms": statistics.median(times) * 1e3,
+        "phases_s": phases,
+        "graphs": graphs,
+    }
 
 
 def launch(work: str, mode: str, before: str | None) -> dict:
@@ -121,6 +135,26 @@ def table(results: dict) -> str:
             )  # fmt: skip
             ratio = med[m] / med["nonprivate"]
             lines.append(f"| {work} | {m} | {med[m]:.1f} | {ratio:.2f}x | {compile_s} |")
+    lines += [
+        "",
+        "Where the first call's time goes (seconds, median over the processes; graphs: "
+        "Dynamo's unique graphs):",
+        "",
+        "| workload | mode | first call | " + " | ".join(PHASE_LABELS) + " | graphs |",
+        "| --- | --- | ---: | " + " | ".join("---:" for _ in PHASE_LABELS) + " | ---: |",
+    ]
+    for work, modes in results["workloads"].items():
+        for m, runs in modes.items():
+            if m == "nonprivate" or not all("phases_s" in r for r in runs):
+                continue
+            cells = [
+                f"{statistics.median(r['phases_s'][p] for r in runs):.1f}" for p in PHASE_LABELS
+            ]
+            first_s = statistics.median(r["first_s"] for r in runs)
+            graphs = sorted({r["graphs"] for r in runs})
+            lines.append(
+                f"| {work} | {m} | {first_s:.1f} | " + " | ".join(cells) + f" | {graphs} |"
+            )
     return "\n".join(lines) + "\n"
 
 
