@@ -694,6 +694,16 @@ class NoiseAhead:
         return noise
 
 
+def _new_noise_worker() -> None:
+    """A forked child has none of its parent's threads, so a pool the parent used would
+    queue the child's draws for a thread that is not there: the child gets a new one."""
+    NoiseAhead._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dpfunc-noise")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_noise_worker)
+
+
 def _spare_core(params: Params) -> bool:
     """Whether a worker thread can draw the next step's noise without slowing this one.
 
