@@ -104,8 +104,9 @@ def tokens_with_repeats():
     "model, batch, scale",
     [
         (nn.Linear(5, 3), torch.randn(B, 5), 1.0),
-        (nn.Linear(5, 4), torch.randn(B, 3, 5), 1.0),  # T^2 = 9 < 20: Gram form
-        (nn.Linear(5, 3), torch.randn(B, 6, 5), 1.0),  # T^2 = 36 > 15: direct form
+        (nn.Linear(8, 6), torch.randn(B, 2, 8), 1.0),  # T (d_in + d_out) = 28 < 48: Gram
+        (nn.Linear(5, 4), torch.randn(B, 3, 5), 1.0),  # 27 > 20: direct form (T^2 = 9 < 20)
+        (nn.Linear(5, 3), torch.randn(B, 6, 5), 1.0),  # 48 > 15: direct form
         (nn.Linear(3, 2, bias=False), torch.randn(B, 2, 2, 3), 1.0),  # two position dims
         (nn.Embedding(10, 4, padding_idx=0), tokens_with_repeats(), 0.3),
         (nn.Embedding(10, 3), tokens_with_repeats(), 0.3),
@@ -608,7 +609,7 @@ def test_auto_ghosts_only_where_it_is_cheaper():
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv2d(2, 4, 3)  # 36 output positions: 36^2 > 18 * 4, materialise
-            self.seq = nn.Linear(16, 16)  # 4 positions: 4^2 < 16 * 16, Gram form
+            self.seq = nn.Linear(16, 16)  # 4 positions: 4 * 32 < 16 * 16, Gram form
             self.head = nn.Linear(64, 3)  # one position: rank-one form
 
         def forward(self, x):

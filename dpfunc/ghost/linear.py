@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .bounds import widen
+from .bounds import gram_is_cheaper, widen
 from .registry import Outer, register_rule
 
 
@@ -29,12 +29,14 @@ def positions(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
 def cheaper(d_in: int, d_out: int, t: int) -> bool:
     """Whether the norm of ``sum_t g_t a_t^T`` is cheaper from Gram matrices than formed.
 
-    True for one position (the rank-one form) or ``T^2 < d_in * d_out`` (the
-    ``T x T`` Gram matrices are smaller than the gradient): the choice
-    :func:`dpfunc.ghost.bounds.linear_weight_norms` makes, so ``False`` means
+    True for one position (the rank-one form) or ``T (d_in + d_out) < d_in
+    d_out``: the two ``T x T`` Gram matrices cost ``T^2 (d_in + d_out)``
+    multiply-adds an example, the formed gradient ``T d_in d_out``
+    (:func:`dpfunc.ghost.bounds.gram_is_cheaper`, the choice
+    :func:`dpfunc.ghost.bounds.linear_weight_norms` makes). ``False`` means
     the direct form, which forms the gradient anyway.
     """
-    return t == 1 or t * t < d_in * d_out
+    return gram_is_cheaper(t, d_in, d_out)
 
 
 def linear(module: nn.Linear, x: Tensor, g: Tensor, weights: dict) -> dict:
