@@ -171,9 +171,14 @@ def gram_is_cheaper(t: int, d_in: int, d_out: int) -> bool:
     sizes instead (``T^2 < d_in d_out``, the Gram matrix smaller than the
     gradient) picked the slower at two, both square layers with ``d / 2 <= T
     < d``: ``(64, 128, 128)``, direct 0.85x the Gram form's time, and ``(512,
-    768, 768)``, BERT-base at T = 512, 0.76x. Past the flops' crossover the
-    direct form's ``B d_in d_out`` floats are at most twice the Gram form's
-    ``2 B T^2``.
+    768, 768)``, BERT-base at T = 512, 0.76x. Memory where it says "formed":
+    the direct norm forms one layer's ``B d_in d_out`` floats at a time, at
+    most twice the Gram form's ``2 B T^2`` at the crossover; where
+    ``method="auto"`` leaves the layer to vmap instead, its per-example
+    gradients are held with every other vmapped one, but ``B d_in d_out <= B
+    T (d_in + d_out)``: no more than the layer's inputs and output gradients
+    that the ghost pass would hold for it (a ``memory_budget`` still caps the
+    vmap path's whole).
     """
     return t == 1 or t * (d_in + d_out) < d_in * d_out
 
