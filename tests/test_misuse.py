@@ -201,6 +201,33 @@ def make_trainer(tiny_problem, **options):
     return dpfunc.Trainer(loss_fn, params, dataset, **{**settings, **options})
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_run_in_a_forked_child_after_a_run_in_its_parent_finishes(monkeypatch, tiny_problem):
+    """A sweep that forks after a first run: the parent's draw-ahead worker has no thread in
+    the child, whose Trainer waited forever on its first draw ahead; it gets a new one."""
+    import signal
+
+    monkeypatch.setattr(dpfunc.step, "_spare_core", lambda params: True)  # always draw ahead
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP team in the child (not fork-safe)
+    try:
+        make_trainer(tiny_problem, epochs=1).fit()
+        pid = os.fork()
+        if pid == 0:  # the child: exit 0 only if its run finishes
+            code = 1
+            try:
+                signal.alarm(60)  # a hang fails the test instead of stalling the suite
+                trainer = make_trainer(tiny_problem, epochs=1)
+                trainer.fit()
+                code = 0 if trainer.steps_done > 1 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_second_run_on_a_live_path_is_refused_before_any_step(tmp_path, tiny_problem):
     path = tmp_path / "run.pt"
     a = make_trainer(tiny_problem, checkpoint_path=path)

@@ -502,36 +502,3 @@ def test_rows_accept_whole_leaves_lists_and_torch_sizes():
     bigger = {"a": torch.zeros(()), "b": torch.zeros(4, 3)}
     part = dpfunc.standard_normal_like(params, SECRET, 0, rows=[None, [[4, 3], 2, 4]])
     assert torch.equal(part["b"], dpfunc.standard_normal_like(bigger, SECRET, 0)["b"][2:])
-
-
-@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
-def test_a_forked_child_draws_ahead_after_its_parent_did(monkeypatch):
-    """The pool of the Trainer's draw ahead has no thread in a forked child (a sweep that
-    forks after a first run); the child gets a new one instead of waiting forever."""
-    import os
-
-    from dpfunc.step import NoiseAhead
-
-    monkeypatch.setattr(dpfunc.noise, "NOISE_BLOCK", 64)  # small: no OpenMP in the child
-    params = {"w": torch.zeros(9, 41), "b": torch.zeros(70)}
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        parent = dpfunc.standard_normal_like(params, SECRET, 3)
-        assert NoiseAhead._worker.submit(int, 7).result() == 7
-        pid = os.fork()
-        if pid == 0:  # the child: exit 0 only if both pools work and the draw is the same
-            code = 1
-            try:
-                signal = __import__("signal")
-                signal.alarm(20)  # a hang becomes a failure, not a stuck suite
-                child = dpfunc.standard_normal_like(params, SECRET, 3)
-                same = all(torch.equal(child[k], parent[k]) for k in params)
-                ahead = NoiseAhead._worker.submit(int, 8).result(timeout=10) == 8
-                code = 0 if same and ahead else 2
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        torch.set_num_threads(before)
