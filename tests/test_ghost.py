@@ -20,6 +20,8 @@ from dpfunc.ghost import (
     rule_for,
     tf32_risk,
 )
+from dpfunc.ghost import bounds
+from dpfunc.ghost.registry import Outer
 from dpfunc.per_sample import batch_size
 from dpfunc.tree import tree_map
 
@@ -153,6 +155,35 @@ def test_linear_norm_forms_equal_the_materialised_gradient(form, positions):
     torch.testing.assert_close(linear_weight_norms(a, g), want, rtol=1e-12, atol=0)
     if positions == 1:
         torch.testing.assert_close(linear_weight_norms(a, g, "outer"), want, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize(
+    "positions, d_in, d_out, formed",
+    [(1, 6, 4, False), (2, 8, 6, False), (3, 5, 4, True), (6, 5, 3, True), (4, 6, 6, True)],
+)
+def test_direct_layers_are_formed_once_for_norm_and_sum(positions, d_in, d_out, formed):
+    """Where the rule says direct, the gradients are formed and serve both the norm and the
+    sum; the Gram and rank-one forms are left as rows. Both give the materialised oracle."""
+    a = torch.randn(5, positions, d_in, dtype=torch.float64)
+    g = torch.randn(5, positions, d_out, dtype=torch.float64)
+    w = torch.tensor([0.5, 0.0, 1.0, 0.25, 2.0], dtype=torch.float64)
+    shape = torch.Size([d_out, d_in])
+    want = torch.einsum("bto,bti->boi", g, a)
+    form = bounds.formed_where_direct(Outer(g, a), shape)
+    assert isinstance(form, torch.Tensor) is formed
+    assert formed is not bounds.gram_is_cheaper(positions, d_in, d_out)
+    if formed:
+        torch.testing.assert_close(form, want, rtol=1e-12, atol=0)
+    norms = bounds.form_norms(form)
+    exact = want.square().sum((1, 2))
+    if not formed:  # a bound on the rows' product (formed: the vmap path's norm, which the
+        assert (norms >= exact).all()  # clip margin covers)
+    torch.testing.assert_close(norms, exact, rtol=1e-6, atol=0)
+    for finite in (True, False):
+        summed = bounds.form_sum(form, w, shape, finite)
+        torch.testing.assert_close(summed, torch.einsum("b,boi->oi", w, want), rtol=1e-12, atol=0)
+    index = Outer(torch.tensor([[1, 1, 2]]), torch.randn(1, 3, 4))  # an embedding: rows kept
+    assert bounds.formed_where_direct(index, torch.Size([3, 4])) is index
 
 
 def cancelling_problem(kind, dtype, big):

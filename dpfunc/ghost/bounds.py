@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..clipping import accumulation_dtype
+from ..clipping import _contract, _squared_norms, accumulation_dtype
 from .registry import Outer
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "form_norms",
     "form_sum",
     "formed_norms",
+    "formed_where_direct",
     "linear_weight_norms",
     "widen",
     "widen_form",
@@ -57,21 +58,20 @@ def widen_form(form: Outer | Tensor) -> Outer | Tensor:
     return widen(form)
 
 
-def squared_norms(t: Tensor) -> Tensor:
-    """Each example's squared L2 norm, accumulated in float64: ``[B, ...] -> [B]``."""
-    flat = t.reshape(t.shape[0], math.prod(t.shape[1:]))
-    return torch.linalg.vector_norm(flat, dim=1, dtype=F64).square()
-
-
 def formed_norms(t: Tensor) -> Tensor:
-    """:func:`squared_norms` of formed gradients ``t [B, ...]``, times ``(1 + gamma_2)^2``.
+    """Each example's squared norm of formed gradients ``t [B, ...]``, float64 ``[B]``:
+    the vmap path's (:func:`dpfunc.clipping.per_sample_norms`, runs of float32
+    squares eagerly, whose rounding the clip margin covers), times ``(1 +
+    gamma_2)^2``.
 
+    Not a float64 copy of ``t``: eagerly on a CPU, that copy of a fresh
+    ``[B, d_out, d_in]`` cost a transformer's ghost step a tenth of its time.
     :func:`weighted_sum` multiplies each entry by the clip factor cast to the
     accumulation dtype: two roundings, so the contribution is at most
     ``(1 + gamma_2)`` times the factor times the norm (the other examples'
     rows are exact zeros and add no rounding).
     """
-    return squared_norms(t) * (1 + gamma(2, accumulation_dtype(t.dtype))) ** 2
+    return _squared_norms([t])[0] * (1 + gamma(2, accumulation_dtype(t.dtype))) ** 2
 
 
 def _expand(w: Tensor, like: Tensor) -> Tensor:
@@ -94,9 +94,10 @@ def weighted_sum(g: Tensor, w: Tensor, finite: bool = False) -> Tensor:
 
     ``finite``: the caller knows every row of ``g`` is finite, so a weight-0
     row adds exactly 0 without the ``where`` that keeps a NaN row out (see
-    :func:`form_sum`)."""
+    :func:`form_sum`), and the sum is the vmap path's matrix-vector product
+    (:func:`dpfunc.clipping.clipped_sum`, whose rounding the clip margin covers)."""
     g = widen(g)
-    return (g * _expand(w, g).to(g.dtype) if finite else scaled(g, w)).sum(0)
+    return _contract(w.to(g.dtype), g) if finite else scaled(g, w).sum(0)
 
 
 def gamma(n: int, dtype: torch.dtype) -> float:
@@ -172,13 +173,12 @@ def gram_is_cheaper(t: int, d_in: int, d_out: int) -> bool:
     gradient) picked the slower at two, both square layers with ``d / 2 <= T
     < d``: ``(64, 128, 128)``, direct 0.85x the Gram form's time, and ``(512,
     768, 768)``, BERT-base at T = 512, 0.76x. Memory where it says "formed":
-    the direct norm forms one layer's ``B d_in d_out`` floats at a time, at
-    most twice the Gram form's ``2 B T^2`` at the crossover; where
-    ``method="auto"`` leaves the layer to vmap instead, its per-example
-    gradients are held with every other vmapped one, but ``B d_in d_out <= B
-    T (d_in + d_out)``: no more than the layer's inputs and output gradients
-    that the ghost pass would hold for it (a ``memory_budget`` still caps the
-    vmap path's whole).
+    ``B d_in d_out <= B T (d_in + d_out)``, no more than the layer's inputs
+    and output gradients that the ghost pass would hold for it. The ghost
+    pass keeps the formed gradients for the clipped sum and lets the rows go
+    (:func:`formed_where_direct`); where ``method="auto"`` leaves the layer
+    to vmap instead, they are held with every other vmapped one (a
+    ``memory_budget`` still caps the vmap path's whole).
     """
     return t == 1 or t * (d_in + d_out) < d_in * d_out
 
@@ -385,6 +385,28 @@ def _formed(form: Outer | Tensor, shape: torch.Size) -> Tensor:
     if right.dim() == 4:
         return torch.einsum("bgtp,bgtq->bgpq", left, right).reshape(right.shape[0], *shape)
     return torch.bmm(left.mT, right).reshape(right.shape[0], *shape)
+
+
+def formed_where_direct(form: Outer | Sites | Tensor, shape: torch.Size) -> Outer | Sites | Tensor:
+    """The per-example gradients ``[B, *shape]`` of a dense :class:`Outer` form whose
+    norm :func:`linear_weight_norms` would take by forming them (``T > 1`` positions,
+    not :func:`gram_is_cheaper`); any other form unchanged.
+
+    Formed once, they serve the norm (:func:`formed_norms`, exact for the
+    contribution :func:`weighted_sum` then sums, so no rounding bound of a
+    second product is needed) and the clipped sum, ``B d_in d_out``
+    multiply-adds where :func:`form_sum` of the rows would spend ``B T d_in
+    d_out`` forming them again: the instantiated layers of book-keeping
+    (Bu et al. 2023). Where the rule says direct, ``B d_in d_out <= B T (d_in
+    + d_out)``, no more floats than the rows they replace, which are freed
+    once no other form holds them (inputs shared by several layers, as
+    ``q``, ``k`` and ``v`` projections, are freed with the last).
+    """
+    if not isinstance(form, Outer) or _is_index(form.left):
+        return form
+    left, right = form
+    t, p, q = right.shape[-2], left.shape[-1], right.shape[-1]
+    return form if gram_is_cheaper(t, p, q) else _formed(form, shape)
 
 
 def combine(forms: list[Outer | Tensor], shape: torch.Size) -> Outer | Sites | Tensor:

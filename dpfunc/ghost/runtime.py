@@ -40,6 +40,7 @@ from .bounds import (
     form_norms,
     form_sum,
     formed_norms,
+    formed_where_direct,
     group,
     weighted_sum,
     widen_form,
@@ -358,11 +359,14 @@ def ghost_clip(
         (out_grads, other_grads), (_, (losses, inputs)) = per_example(probes, other, covered, batch)
 
     joined = _forms(hooks, plan, params, covered, inputs, out_grads)
+    del inputs, out_grads  # the forms hold what is left of them
     rows = mask.shape[0] if rows is None else rows
     if users is not None:  # one form per user: its examples' joined, weighted by 1 / n
         joined = {name: group(form, users.rows, users.size) for name, form in joined.items()}
         other_grads = {name: users.join(g) for name, g in other_grads.items()}
         losses, mask, rows = users.mean(losses), users.mask, rows // users.size
+    for name in joined:  # one at a time, so that each layer's rows go before the next forms
+        joined[name] = formed_where_direct(joined[name], params[name].shape)
     squared = {name: form_norms(form, rows) for name, form in joined.items()}
     for name, g in other_grads.items():
         squared[name] = formed_norms(g)
