@@ -573,10 +573,18 @@ def new_results(quick: bool, settings: dict) -> dict:
     }  # fmt: skip
 
 
+NOTES = "<!-- notes: kept when the tables above are written again -->"
+
+
 def write_results(results: dict, out: Path, stem: str, text: str) -> None:
-    """Writes out/STEM.json (every number) and out/STEM.md (``text``), and prints the latter."""
+    """Writes out/STEM.json (every number) and out/STEM.md (``text``), and prints the latter.
+
+    What an earlier STEM.md holds below the :data:`NOTES` line (the reading of
+    the figures, written by hand) is kept after ``text``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    (out / f"{stem}.md").write_text(text)
+    md = out / f"{stem}.md"
+    notes = md.read_text().partition(NOTES)[2] if md.exists() else ""
+    md.write_text(text if not notes else text.rstrip("\n") + "\n\n" + NOTES + notes)
     print(text)
     print(f"wrote {out / stem}.json and {out / stem}.md in {results['total_s']:.0f} s")

@@ -35,7 +35,6 @@ __all__ = [
     "form_norms",
     "form_sum",
     "formed_norms",
-    "formed_where_direct",
     "linear_weight_norms",
     "widen",
     "widen_form",
