@@ -15,12 +15,12 @@ import dpfunc
 from dpfunc.ghost import (
     GhostClipper,
     analyse,
+    bounds,
     linear_weight_norms,
     remove_hooks,
     rule_for,
     tf32_risk,
 )
-from dpfunc.ghost import bounds
 from dpfunc.ghost.registry import Outer
 from dpfunc.per_sample import batch_size
 from dpfunc.tree import tree_map
