@@ -57,11 +57,12 @@ def widen_form(form: Outer | Tensor) -> Outer | Tensor:
     return widen(form)
 
 
-def formed_norms(t: Tensor) -> Tensor:
-    """Each example's squared norm of formed gradients ``t [B, ...]``, float64 ``[B]``:
-    the vmap path's (:func:`dpfunc.clipping.per_sample_norms`, runs of float32
-    squares eagerly, whose rounding the clip margin covers), times ``(1 +
-    gamma_2)^2``.
+def formed_norms(formed: list[Tensor]) -> list[Tensor]:
+    """Each example's squared norm of each formed gradient ``t [B, ...]`` in ``formed``,
+    float64 ``[B]``: the vmap path's (:func:`dpfunc.clipping.per_sample_norms`, runs of
+    float32 squares eagerly, whose rounding the clip margin covers), times ``(1 +
+    gamma_2)^2``. One host synchronisation for the whole list (the check for runs
+    that overflowed), as on the vmap path: a step passes all its formed gradients at once.
 
     Not a float64 copy of ``t``: eagerly on a CPU, that copy of a fresh
     ``[B, d_out, d_in]`` cost a transformer's ghost step a tenth of its time.
@@ -70,7 +71,8 @@ def formed_norms(t: Tensor) -> Tensor:
     ``(1 + gamma_2)`` times the factor times the norm (the other examples'
     rows are exact zeros and add no rounding).
     """
-    return _squared_norms([t])[0] * (1 + gamma(2, accumulation_dtype(t.dtype))) ** 2
+    squares = _squared_norms(formed)
+    return [sq * (1 + gamma(2, accumulation_dtype(t.dtype))) ** 2 for sq, t in zip(squares, formed)]
 
 
 def _expand(w: Tensor, like: Tensor) -> Tensor:
@@ -316,7 +318,7 @@ def form_norms(form: Outer | Sites | Tensor, batch: int | None = None) -> Tensor
         return _sites_norms(Sites(tuple(widen_form(f) for f in form.forms)), batch)
     form = widen_form(form)
     if not isinstance(form, Outer):
-        return formed_norms(form)
+        return formed_norms([form])[0]
     left, right = form
     b, rows = right.shape[0], math.prod(right.shape[1:-1])  # every position of the batch ...
     summed = (b if batch is None else batch) * rows

@@ -367,9 +367,9 @@ def ghost_clip(
         losses, mask, rows = users.mean(losses), users.mask, rows // users.size
     for name in joined:  # one at a time, so that each layer's rows go before the next forms
         joined[name] = formed_where_direct(joined[name], params[name].shape)
-    squared = {name: form_norms(form, rows) for name, form in joined.items()}
-    for name, g in other_grads.items():
-        squared[name] = formed_norms(g)
+    formed = {name: f for name, f in joined.items() if isinstance(f, Tensor)} | other_grads
+    squared = dict(zip(formed, formed_norms(list(formed.values()))))  # one host sync
+    squared |= {name: form_norms(form, rows) for name, form in joined.items() if name not in formed}
 
     # the vmap path's norms, factors and margin (public: rows, dtypes, sizes); the margin
     # also covers the float64 additions of micro-batch sums that follow, and the bounds
