@@ -21,6 +21,8 @@ from typing import Any
 import optree
 import torch
 
+from .tree import leaves_in_any_order
+
 
 def _fail(name: str, requirement: str, value: Any) -> ValueError:
     return ValueError(f"{name} must be {requirement}, got {name}={value!r}")
@@ -160,19 +162,21 @@ def check_devices(params: Any, batch: Any, name: str = "batch") -> None:
     ...
     ValueError: batch leaf <root> (shape (3, 2)) is on device meta but the parameters are on cpu...
     """
-    leaves = optree.tree_leaves(params)
+    leaves = leaves_in_any_order(params)  # one cheap walk each while Dynamo traces
     if not leaves:
         return
+    if any(leaf.device.type == "meta" for leaf in leaves):
+        raise ValueError(
+            "the parameters are on the meta device, which holds shapes but no values; "
+            "materialise the model (model.to_empty(device=...) and load its weights) "
+            "before dpfunc.functionalize(model)"
+        )
     device = leaves[0].device
-    for leaf in leaves:
-        if leaf.device.type == "meta":
-            raise ValueError(
-                "the parameters are on the meta device, which holds shapes but no values; "
-                "materialise the model (model.to_empty(device=...) and load its weights) "
-                "before dpfunc.functionalize(model)"
-            )
-        if leaf.device != device:
-            return  # spread over several devices: the model moves activations itself
+    if any(leaf.device != device for leaf in leaves):
+        return  # spread over several devices: the model moves activations itself
+    tensors = [x for x in leaves_in_any_order(batch) if isinstance(x, torch.Tensor)]
+    if all(x.device == device for x in tensors):
+        return
     for path, leaf in zip(optree.tree_paths(batch), optree.tree_leaves(batch)):
         if isinstance(leaf, torch.Tensor) and leaf.device != device:
             where = "".join(f"[{key!r}]" for key in path) or "<root>"

@@ -57,7 +57,7 @@ from torch import Tensor
 
 from ._checks import check_choice, check_int, check_number
 from .optim import GradientTransformation
-from .tree import Params, PyTree, tree_leaves, tree_map
+from .tree import Params, PyTree, leaves_in_any_order, tree_leaves, tree_map
 
 Groups = Mapping[str, Sequence[str]]
 
@@ -332,7 +332,7 @@ def rounding_scope(params: PyTree, rows: int) -> dict[str, object]:
     >>> rounding_scope({"w": torch.zeros(3, 2), "b": torch.zeros(3)}, rows=8)
     {'rows': 8, 'dtype': torch.float32, 'size': 9}
     """
-    leaves = tree_leaves(params)
+    leaves = leaves_in_any_order(params)
     wide = bool(leaves) and all(p.dtype == F64 for p in leaves)
     size = max(1, sum(p.numel() for p in leaves))
     return {"rows": int(rows), "dtype": F64 if wide else torch.float32, "size": int(size)}

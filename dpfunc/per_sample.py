@@ -42,7 +42,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from ._batched_attention import batched_attention
 from ._checks import check_devices, check_int
-from .tree import Params, PyTree, tree_leaves
+from .tree import Params, PyTree, leaves_in_any_order, tree_leaves
 
 LossFn = Callable[[Params, PyTree], Any]
 
@@ -107,7 +107,8 @@ def batch_size(batch: PyTree, name: str = "batch") -> int:
     Raises ``ValueError`` when there is no tensor leaf with a leading
     dimension or the leading dimensions disagree.
     """
-    sizes = [x.shape[0] if x.dim() else None for x in tree_leaves(batch) if isinstance(x, Tensor)]
+    leaves = leaves_in_any_order(batch)  # the order only shows in the messages
+    sizes = [x.shape[0] if x.dim() else None for x in leaves if isinstance(x, Tensor)]
     if not sizes or None in sizes:
         raise ValueError(
             f"every tensor in {name} needs a leading batch dimension; got leaf "

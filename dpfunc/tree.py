@@ -32,6 +32,23 @@ def tree_leaves(tree: PyTree) -> list[Any]:
     return optree.tree_leaves(tree)
 
 
+def leaves_in_any_order(tree: PyTree) -> list[Any]:
+    """The leaves of ``tree`` in an order left unspecified, for checks that treat every leaf
+    alike (devices, shapes, dtypes, sizes); :func:`tree_leaves` where the order matters.
+
+    Eagerly this is :func:`tree_leaves`. While Dynamo traces, the leaves come from one
+    ``optree.tree_map``, which Dynamo runs natively, where it traces every step of
+    ``optree.tree_leaves`` in Python: a fifth of the tracing time for a 41-leaf dict
+    (0.07 s against 0.37 s on a 2-core CPU), paid by every check in a compiled step. That
+    tree_map visits a dict in insertion order, not optree's sorted one.
+    """
+    if not torch.compiler.is_compiling():
+        return optree.tree_leaves(tree)
+    leaves: list[Any] = []
+    optree.tree_map(leaves.append, tree)
+    return leaves
+
+
 def tree_structure(tree: PyTree) -> optree.PyTreeSpec:
     return optree.tree_structure(tree)
 
@@ -41,16 +58,16 @@ def check_same_structure(tree: PyTree, reference: PyTree, name: str, reference_n
 
     Shapes are static, so this check is free inside a compiled function.
     """
-    spec, ref_spec = optree.tree_structure(tree), optree.tree_structure(reference)
+    leaves, spec = optree.tree_flatten(tree)  # one walk each: Dynamo traces every walk
+    ref_leaves, ref_spec = optree.tree_flatten(reference)
     if spec != ref_spec:
         raise ValueError(
             f"{name} must have the same tree structure as {reference_name}; "
             f"got {name} structure {spec} and {reference_name} structure {ref_spec}"
         )
-    for path, leaf, ref in zip(
-        optree.tree_paths(tree), optree.tree_leaves(tree), optree.tree_leaves(reference)
-    ):
+    for i, (leaf, ref) in enumerate(zip(leaves, ref_leaves)):
         if leaf.shape != ref.shape:
+            path = optree.tree_paths(tree)[i]
             raise ValueError(
                 f"{name} leaf {_path_str(path)} has shape {tuple(leaf.shape)}, but the "
                 f"matching {reference_name} leaf has shape {tuple(ref.shape)}"

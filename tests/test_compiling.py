@@ -213,3 +213,28 @@ def test_one_graph_releases_nothing_when_before_release_raises(monkeypatch):
     for k, v in before.items():  # the caller's state is as it was
         assert torch.equal(state.params[k], v)
     torch._dynamo.reset()
+
+
+def test_leaves_in_any_order_are_every_leaf_once_eagerly_and_while_dynamo_traces():
+    """The checks' cheap walk (dpfunc.tree.leaves_in_any_order) sees what tree_leaves sees:
+    eagerly in its order, while Dynamo traces in another (a dict in insertion order)."""
+    from dpfunc.tree import leaves_in_any_order, tree_leaves
+
+    values = iter(range(5))
+    tree = {
+        "z": torch.full((1,), float(next(values))),
+        "c": (torch.full((2,), float(next(values))), None),
+        "a": ({"y": torch.full((3,), float(next(values))), "x": torch.full((1,), 7.0)}, None),
+        "b": [torch.full((2, 1), float(next(values)))],
+    }
+    assert [x is y for x, y in zip(leaves_in_any_order(tree), tree_leaves(tree))] == [True] * 5
+
+    def walk(t):
+        return [x + 0 for x in leaves_in_any_order(t)]
+
+    traced = torch.compile(walk, backend="eager", fullgraph=True)(tree)
+
+    def key(x):
+        return (tuple(x.shape), x.flatten().tolist())
+
+    assert sorted(map(key, traced)) == sorted(map(key, tree_leaves(tree)))
