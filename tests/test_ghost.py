@@ -159,19 +159,31 @@ def test_linear_norm_forms_equal_the_materialised_gradient(form, positions):
 
 @pytest.mark.parametrize(
     "positions, d_in, d_out, formed",
-    [(1, 6, 4, False), (2, 8, 6, False), (3, 5, 4, True), (6, 5, 3, True), (4, 6, 6, True)],
+    [
+        (1, 6, 4, False),  # rank one
+        (2, 12, 12, False),  # d_in d_out = 144 > 2 T (d_in + d_out) = 96: rows kept
+        (2, 8, 6, True),  # Gram norm by the norm rule, but formed: 48 <= 56
+        (2, 8, 8, True),  # the band's edge: 64 <= 64
+        (2, 9, 8, False),  # just past it: 72 > 68
+        (3, 5, 4, True),  # direct by the norm rule
+        (6, 5, 3, True),
+        (4, 6, 6, True),
+    ],
 )
-def test_direct_layers_are_formed_once_for_norm_and_sum(positions, d_in, d_out, formed):
-    """Where the rule says direct, the gradients are formed and serve both the norm and the
-    sum; the Gram and rank-one forms are left as rows. Both give the materialised oracle."""
+def test_layers_are_formed_once_for_norm_and_sum_where_cheaper(positions, d_in, d_out, formed):
+    """Where forming is cheaper (at most twice the rows' floats), the gradients are formed
+    and serve both the norm and the sum; other dense forms and the rank-one form are left
+    as rows. Both give the materialised oracle."""
     a = torch.randn(5, positions, d_in, dtype=torch.float64)
     g = torch.randn(5, positions, d_out, dtype=torch.float64)
     w = torch.tensor([0.5, 0.0, 1.0, 0.25, 2.0], dtype=torch.float64)
     shape = torch.Size([d_out, d_in])
     want = torch.einsum("bto,bti->boi", g, a)
-    form = bounds.formed_where_direct(Outer(g, a), shape)
+    form = bounds.formed_where_cheaper(Outer(g, a), shape)
     assert isinstance(form, torch.Tensor) is formed
-    assert formed is not bounds.gram_is_cheaper(positions, d_in, d_out)
+    assert formed is bounds.forming_is_cheaper(positions, d_in, d_out)
+    if formed:  # memory: at most twice the floats of the rows it replaces
+        assert d_in * d_out <= 2 * positions * (d_in + d_out)
     if formed:
         torch.testing.assert_close(form, want, rtol=1e-12, atol=0)
     norms = bounds.form_norms(form)
@@ -183,7 +195,7 @@ def test_direct_layers_are_formed_once_for_norm_and_sum(positions, d_in, d_out, 
         summed = bounds.form_sum(form, w, shape, finite)
         torch.testing.assert_close(summed, torch.einsum("b,boi->oi", w, want), rtol=1e-12, atol=0)
     index = Outer(torch.tensor([[1, 1, 2]]), torch.randn(1, 3, 4))  # an embedding: rows kept
-    assert bounds.formed_where_direct(index, torch.Size([3, 4])) is index
+    assert bounds.formed_where_cheaper(index, torch.Size([3, 4])) is index
 
 
 def cancelling_problem(kind, dtype, big):

@@ -40,7 +40,7 @@ from .bounds import (
     form_norms,
     form_sum,
     formed_norms,
-    formed_where_direct,
+    formed_where_cheaper,
     group,
     weighted_sum,
     widen_form,
@@ -366,7 +366,7 @@ def ghost_clip(
         other_grads = {name: users.join(g) for name, g in other_grads.items()}
         losses, mask, rows = users.mean(losses), users.mask, rows // users.size
     for name in joined:  # one at a time, so that each layer's rows go before the next forms
-        joined[name] = formed_where_direct(joined[name], params[name].shape)
+        joined[name] = formed_where_cheaper(joined[name], params[name].shape)
     formed = {name: f for name, f in joined.items() if isinstance(f, Tensor)} | other_grads
     squared = dict(zip(formed, formed_norms(list(formed.values()))))  # one host sync
     squared |= {name: form_norms(form, rows) for name, form in joined.items() if name not in formed}
