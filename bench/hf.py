@@ -85,6 +85,7 @@ import transformers  # noqa: E402
 # --- settings -----------------------------------------------------------------
 
 B, T, VOCAB = 32, 64, 1000  # batch, tokens per sequence (padded), vocabulary
+WIDTH = 128  # hidden size; intermediate 4 * WIDTH, heads of 64 (Llama's of 32)
 MIN_LENGTH = T // 2  # each sequence keeps between MIN_LENGTH and T tokens
 PAD_ID = 0  # token id at padding positions
 # targets for dpfunc's default step (make_train_step(..., model=model)) over `nonprivate`
@@ -110,8 +111,9 @@ def padded_tokens() -> tuple[torch.Tensor, torch.Tensor]:
 
 def bert_masked():
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=512, max_position_embeddings=T, num_labels=2, pad_token_id=PAD_ID,
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2,
+        num_attention_heads=WIDTH // 64, intermediate_size=4 * WIDTH,
+        max_position_embeddings=T, num_labels=2, pad_token_id=PAD_ID,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     model = transformers.BertForSequenceClassification(config).train()
@@ -121,7 +123,7 @@ def bert_masked():
 
 def gpt2():
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=2, n_positions=T,
+        vocab_size=VOCAB, n_embd=WIDTH, n_layer=2, n_head=WIDTH // 64, n_positions=T,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         bos_token_id=PAD_ID, eos_token_id=PAD_ID, pad_token_id=PAD_ID,
     )  # fmt: skip
@@ -153,8 +155,9 @@ def llama():
     """A Llama-style decoder: grouped-query attention (4 heads, 2 key-value heads), RoPE,
     RMSNorm, SwiGLU; LM head not tied."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=512, max_position_embeddings=T,
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2,
+        num_attention_heads=WIDTH // 32, num_key_value_heads=WIDTH // 64,
+        intermediate_size=4 * WIDTH, max_position_embeddings=T,
         pad_token_id=PAD_ID, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config).train()

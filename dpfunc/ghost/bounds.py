@@ -399,16 +399,17 @@ def forming_is_cheaper(t: int, d_in: int, d_out: int) -> bool:
     spend ``T d_in d_out`` multiply-adds an example on the sum's products (the forming,
     or the rows' product); the rows' way adds the Gram matrices, ``T^2 (d_in +
     d_out)``, the formed way writes and reads ``d_in d_out`` floats twice more, for
-    the norm and the sum. Timed on a CPU with the sum (bench/gram_direct.md, float32,
-    B = 8, T = 64 and 512, widths 128 to 11008), this picks the faster way at 12 of 14
-    shapes; at the other two it forms where rows were faster by 5% (T = 64, 128 x 128)
-    and 3% (T = 512, 768 x 3072, whose transpose 3072 x 768 forms 1.4x faster than
-    rows). Where it forms and the norm rule (:func:`gram_is_cheaper`) would take Gram
-    norms, ``T < d_in d_out / (d_in + d_out) <= 2 T``: BERT-base's and GPT-2's 768 x
-    3072 layers at T = 512, width-128 models' 128 x 512 layers at T = 64. End to end,
-    eager with a batched loss at width 768, T = 512, this band cut GPT-2's step by 12%
-    and Llama's by 10%, BERT's by 5%. A step that keeps rows for the rank-one form
-    (``t == 1``) needs no choice.
+    the norm and the sum. Timed alone with the sum on 2-core CPUs (bench/gram_direct.md,
+    float32, B = 8, T = 64 and 512, widths 128 to 11008), this picks the faster way at
+    14 of 14 shapes on one machine and 12 on another (the two misses within 5%). At B =
+    32 and T = 64, widths 128 and 512, rows timed alone come out 1-21% faster, yet in
+    whole eager steps at that size (bench/long_sequences.md) forming was neutral for
+    BERT and 4-5% faster for GPT-2 and Llama. Where it forms and the norm rule
+    (:func:`gram_is_cheaper`) would take Gram norms, ``T < d_in d_out / (d_in + d_out)
+    <= 2 T``: BERT-base's and GPT-2's 768 x 3072 layers at T = 512, width-128 models'
+    128 x 512 layers at T = 64. Eager with a batched loss at width 768, T = 512, that
+    band cut GPT-2's step by 12%, Llama's by 10% and BERT's by 5%. A step that keeps
+    rows for the rank-one form (``t == 1``) needs no choice.
     """
     return t > 1 and d_in * d_out <= 2 * t * (d_in + d_out)
 
