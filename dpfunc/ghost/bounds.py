@@ -427,7 +427,10 @@ def formed_where_cheaper(form: Outer | Sites | Tensor, shape: torch.Size) -> Out
     (Bu et al. 2023). They hold at most twice the floats of the rows they
     replace, which are freed once no other form holds them (inputs shared by
     several layers, as ``q``, ``k`` and ``v`` projections, are freed with the
-    last), so a step's peak grows by at most one layer's formed gradients.
+    last): the forms a step holds after its ghost pass are at most twice the
+    rows it had, and equal to them where no layer is formed. At width 768,
+    T = 512 the peak resident memory of BERT's, GPT-2's and Llama's steps moved
+    by -1% to +2% (bench/long_sequences.md).
     """
     if not isinstance(form, Outer) or _is_index(form.left):
         return form
